@@ -1,0 +1,34 @@
+// lockstep/codec/int8.hpp: linear 8-bit quantisation with one absmax scale per block.
+//
+// code = round_to_nearest_even(127 * x / absmax) as a two's-complement int8 in [-127, 127]; the
+// value of a code is code / 127 * absmax. The step is absmax / 127, so the absolute error of a
+// value is at most absmax / 254; small values in a block with a large absmax lose most of their
+// digits, which is what the dynamic tree type (dyntree8.hpp) is for.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string_view>
+
+#include "../core/config.hpp"
+#include "blockwise.hpp"
+
+namespace lockstep::codec {
+
+struct linear8_format {
+  static constexpr std::string_view name = "int8";
+
+  LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept {
+    // unit is in [-1, 1] up to one rounding of x * (1 / absmax); the clamp covers that rounding.
+    float q = rintf(unit * 127.0f);
+    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+    return static_cast<std::uint8_t>(static_cast<std::int8_t>(static_cast<int>(q)));
+  }
+  LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
+    return static_cast<float>(static_cast<std::int8_t>(code)) / 127.0f;
+  }
+};
+
+using int8 = blockwise<linear8_format>;
+
+}  // namespace lockstep::codec

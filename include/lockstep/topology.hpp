@@ -1,0 +1,6 @@
+// lockstep/topology.hpp: every topology.
+#pragma once
+#include "topology/concept.hpp"
+#include "topology/ring.hpp"
+#include "topology/schedule.hpp"
+#include "topology/torus2d.hpp"

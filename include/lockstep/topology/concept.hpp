@@ -1,0 +1,43 @@
+// lockstep/topology/concept.hpp: what a topology must provide.
+//
+//   t.name()                        printable name
+//   t.reduce_scatter(rank, size)    schedule that leaves rank r owning the reduced chunk r of
+//                                   `size` chunks
+//   t.all_gather(rank, size)        schedule that starts from "rank r owns chunk r" and ends with
+//                                   every rank holding every chunk
+//   t.validate(size)                throws lockstep::error when the topology cannot span `size`
+//                                   ranks (a torus shape that does not match, say)
+// all_reduce is reduce_scatter followed by all_gather; broadcast is scatter_from(root) followed by
+// all_gather. Topologies are small values (torus2d carries its shape).
+#pragma once
+
+#include <concepts>
+#include <string>
+
+#include "schedule.hpp"
+
+namespace lockstep::topology {
+
+template <class T>
+concept topology = requires(const T& t, int rank, int size) {
+  { t.name() } -> std::convertible_to<std::string>;
+  { t.reduce_scatter(rank, size) } -> std::same_as<schedule>;
+  { t.all_gather(rank, size) } -> std::same_as<schedule>;
+  t.validate(size);
+};
+
+template <topology T>
+schedule all_reduce_schedule(const T& t, int rank, int size) {
+  schedule s = t.reduce_scatter(rank, size);
+  s.append(t.all_gather(rank, size));
+  return s;
+}
+
+template <topology T>
+schedule broadcast_schedule(const T& t, int root, int rank, int size) {
+  schedule s = scatter_from(root, rank, size);
+  s.append(t.all_gather(rank, size));
+  return s;
+}
+
+}  // namespace lockstep::topology
