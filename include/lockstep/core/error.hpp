@@ -35,12 +35,13 @@ class error : public std::runtime_error {
   // rank or peer is -1 where it does not apply.
   error(errc code, std::string op, int rank, int peer, const std::string& detail)
       : std::runtime_error(format(code, op, rank, peer, detail)),
-        code_(code), op_(std::move(op)), rank_(rank), peer_(peer) {}
+        code_(code), op_(std::move(op)), rank_(rank), peer_(peer), detail_(detail) {}
 
   errc code() const noexcept { return code_; }
   const std::string& op() const noexcept { return op_; }
   int rank() const noexcept { return rank_; }
   int peer() const noexcept { return peer_; }
+  const std::string& detail() const noexcept { return detail_; }
 
  private:
   static std::string format(errc code, const std::string& op, int rank, int peer,
@@ -59,6 +60,7 @@ class error : public std::runtime_error {
   std::string op_;
   int rank_;
   int peer_;
+  std::string detail_;
 };
 
 }  // namespace lockstep

@@ -1,0 +1,163 @@
+// lockstep/collective/collectives.hpp: all_reduce, reduce_scatter, all_gather, broadcast, barrier,
+// each blocking and asynchronous, over any group, topology and codec.
+//
+//   lockstep::all_reduce(g, grads, topology::torus2d{}, codec, reduce_op::average);
+//   auto r = lockstep::all_reduce_async(g, bucket, topology::ring{}, codec);  ...  r.wait();
+//
+// The codec is taken by reference because error_feedback<C> keeps state in it; it and the buffers
+// must outlive an asynchronous call. An epilogue, callable as ep(first, count), sees every element
+// range the moment its final value is in place on this rank (the optimizer's fused update).
+#pragma once
+
+#include <span>
+#include <string>
+#include <utility>
+
+#include "../codec/concept.hpp"
+#include "../codec/fp32.hpp"
+#include "../topology/concept.hpp"
+#include "../topology/ring.hpp"
+#include "executor.hpp"
+#include "group.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+template <topology::topology T>
+std::uint32_t topology_fingerprint(const T& topo, int size) {
+  std::string s = topo.name();
+  if constexpr (requires { topo.shape(size); }) {
+    auto [r, c] = topo.shape(size);
+    s += ":" + std::to_string(r) + "x" + std::to_string(c);
+  }
+  return codec::fingerprint(s, 0);
+}
+
+template <class G, topology::topology T, codec::codec C>
+op_desc describe(op_kind kind, const G& g, const T& topo, const C& codec, reduce_op rop, int root = -1) {
+  topo.validate(g.size());
+  return op_desc{kind, rop, root, topology_fingerprint(topo, g.size()),
+                 std::string(to_string(kind)) + "(" + topo.name() + ", " + std::string(codec.name()) + ")"};
+}
+
+template <class G>
+void check_sizes(const G& g, const char* op, std::size_t in, std::size_t out, std::size_t per_rank_of,
+                 const char* in_name, const char* out_name) {
+  const auto size = static_cast<std::size_t>(g.size());
+  if (per_rank_of > max_count / size || in != per_rank_of * size)
+    throw error(errc::invalid_argument, op, g.rank(), -1,
+                std::string(in_name) + " has " + std::to_string(in) + " elements; expected group size " +
+                    std::to_string(size) + " x " + out_name + " (" + std::to_string(out) + ")");
+}
+
+}  // namespace detail
+
+// ---- all_reduce -------------------------------------------------------------------------------
+
+template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+void all_reduce(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
+                reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
+  g.run([&] {
+    auto d = detail::describe(detail::op_kind::all_reduce, g, topo, codec, op);
+    auto s = topology::all_reduce_schedule(topo, g.rank(), g.size());
+    detail::run_schedule(g, s, buf, codec, d, ep);
+  });
+}
+
+template <topology::topology T = topology::ring, codec::codec C = codec::fp32, transport::transport Tr>
+void all_reduce(group<Tr>& g, std::span<float> buf, reduce_op op = reduce_op::sum) {
+  T topo{};
+  C codec{};
+  all_reduce(g, buf, topo, codec, op);
+}
+
+template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+request all_reduce_async(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
+                         reduce_op op = reduce_op::sum, Epilogue ep = {}) {
+  return g.submit([&g, buf, topo, &codec, op, ep]() mutable {
+    auto d = detail::describe(detail::op_kind::all_reduce, g, topo, codec, op);
+    auto s = topology::all_reduce_schedule(topo, g.rank(), g.size());
+    detail::run_schedule(g, s, buf, codec, d, ep);
+  });
+}
+
+// ---- reduce_scatter ---------------------------------------------------------------------------
+
+// buf holds n elements cut into size chunks (chunk_range); afterwards this rank's chunk holds the
+// reduction, the other chunks hold partial sums and are not meant to be read.
+template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+void reduce_scatter_inplace(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
+                            reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
+  g.run([&] {
+    auto d = detail::describe(detail::op_kind::reduce_scatter, g, topo, codec, op);
+    auto s = topo.reduce_scatter(g.rank(), g.size());
+    detail::run_schedule(g, s, buf, codec, d, ep);
+  });
+}
+
+// in: size * m elements, out: m elements (chunk `rank` of the reduction). in is not modified.
+template <transport::transport Tr, topology::topology T, codec::codec C>
+void reduce_scatter(group<Tr>& g, std::span<const float> in, std::span<float> out, const T& topo, C& codec,
+                    reduce_op op = reduce_op::sum) {
+  detail::check_sizes(g, "reduce_scatter", in.size(), out.size(), out.size(), "input", "output");
+  std::vector<float> work(in.begin(), in.end());
+  const std::size_t m = out.size(), r = static_cast<std::size_t>(g.rank());
+  reduce_scatter_inplace(g, std::span<float>(work), topo, codec, op,
+                         [&](std::size_t first, std::size_t count) {
+                           std::copy_n(work.data() + first, count, out.data() + (first - r * m));
+                         });
+}
+
+// ---- all_gather -------------------------------------------------------------------------------
+
+// buf holds n elements cut into size chunks; this rank's chunk is its input, the rest is filled.
+template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+void all_gather_inplace(group<Tr>& g, std::span<float> buf, const T& topo, C& codec, Epilogue&& ep = {}) {
+  g.run([&] {
+    auto d = detail::describe(detail::op_kind::all_gather, g, topo, codec, reduce_op::sum);
+    auto s = topo.all_gather(g.rank(), g.size());
+    detail::run_schedule(g, s, buf, codec, d, ep);
+  });
+}
+
+// in: m elements, out: size * m elements, rank r's input at [r*m, (r+1)*m).
+template <transport::transport Tr, topology::topology T, codec::codec C>
+void all_gather(group<Tr>& g, std::span<const float> in, std::span<float> out, const T& topo, C& codec) {
+  detail::check_sizes(g, "all_gather", out.size(), in.size(), in.size(), "output", "input");
+  std::copy(in.begin(), in.end(), out.begin() + static_cast<std::ptrdiff_t>(in.size() * static_cast<std::size_t>(g.rank())));
+  all_gather_inplace(g, out, topo, codec);
+}
+
+// ---- broadcast, barrier -----------------------------------------------------------------------
+
+// The root's buffer reaches every rank: scatter from the root, then the topology's all-gather.
+// With a lossy codec the root's own buffer is replaced by the decoded values too, so that all
+// ranks hold the same bits.
+template <transport::transport Tr, topology::topology T, codec::codec C>
+void broadcast(group<Tr>& g, std::span<float> buf, int root, const T& topo, C& codec) {
+  if (root < 0 || root >= g.size())
+    throw error(errc::invalid_argument, "broadcast", g.rank(), -1,
+                "root " + std::to_string(root) + " outside a group of " + std::to_string(g.size()));
+  g.run([&] {
+    auto d = detail::describe(detail::op_kind::broadcast, g, topo, codec, reduce_op::sum, root);
+    auto s = topology::broadcast_schedule(topo, root, g.rank(), g.size());
+    no_epilogue ep;
+    detail::run_schedule(g, s, buf, codec, d, ep);
+  });
+}
+
+template <transport::transport Tr, topology::topology T = topology::ring>
+void barrier(group<Tr>& g, const T& topo = {}) {
+  // One value per rank: each chunk is non-empty, so every rank waits for every other.
+  std::vector<float> token(static_cast<std::size_t>(g.size()), 0.0f);
+  codec::fp32 c;
+  g.run([&] {
+    auto d = detail::describe(detail::op_kind::barrier, g, topo, c, reduce_op::sum);
+    auto s = topology::all_reduce_schedule(topo, g.rank(), g.size());
+    no_epilogue ep;
+    detail::run_schedule(g, s, std::span<float>(token), c, d, ep);
+  });
+}
+
+}  // namespace lockstep
