@@ -1,0 +1,300 @@
+// lockstep-sim: predicted all-reduce time and bus bandwidth for topology x codec x ranks x size,
+// the speedup of data-parallel training, and link parameters fitted from measurements.
+//
+//   lockstep-sim --ranks 16,256,4096 --bytes 64M --topology ring,torus2d --codec fp32,dyntree8
+//   lockstep-sim --fit netlab.jsonl --compare      fit alpha/beta, then predicted vs measured
+//   lockstep-sim --speedup --ranks 96 --params 60M --compute-ms 100
+// A table by default, one JSON object per line with --json. Every number the simulator prints is
+// the discrete-event run of the topologies' own schedules (sim/simulator.hpp); "closed" is the
+// alpha-beta-gamma formula (sim/cost_model.hpp) beside it.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <lockstep/sim/cost_model.hpp>
+#include <lockstep/sim/fit.hpp>
+#include <lockstep/sim/simulator.hpp>
+#include <lockstep/topology.hpp>
+
+namespace {
+
+using namespace lockstep;
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// "64M" = 64 MiB, "1K" = 1 KiB, "1G" = 1 GiB; plain numbers are bytes (or counts).
+double parse_size(const std::string& s) {
+  std::size_t used = 0;
+  const double v = std::stod(s, &used);
+  const std::string unit = s.substr(used);
+  if (unit.empty()) return v;
+  if (unit == "K" || unit == "k") return v * 1024;
+  if (unit == "M" || unit == "m") return v * 1024 * 1024;
+  if (unit == "G" || unit == "g") return v * 1024 * 1024 * 1024;
+  throw std::invalid_argument("size '" + s + "': units are K, M, G (powers of 1024)");
+}
+
+struct options {
+  std::vector<std::string> topologies{"ring", "torus2d"};
+  std::vector<std::string> codecs{"fp32", "bf16", "int8", "dyntree8"};
+  std::vector<int> ranks{4};
+  std::vector<double> bytes{64.0 * 1024 * 1024};
+  sim::cluster cl;
+  bool json = false, measure_gamma = false, compare = false, speedup = false;
+  std::string fit_file;
+  double compute_s = 0.1, params = 60e6, overlap = 0;
+  double min_compare_bytes = 4.0 * 1024 * 1024;
+};
+
+void usage() {
+  std::puts(
+      "usage: lockstep-sim [options]\n"
+      "  --topology LIST      ring,torus2d,halving_doubling (halving_doubling: closed form only)\n"
+      "  --codec LIST         fp32,bf16,int8,dyntree8\n"
+      "  --ranks LIST         group sizes, e.g. 16,64,256,1024,4096\n"
+      "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
+      "  --gbit G             NIC bandwidth per direction in Gbit/s (default 1)\n"
+      "  --latency-us A       per-message latency alpha (default 25)\n"
+      "  --ranks-per-host K   ranks sharing one NIC (default 1)\n"
+      "  --switch-gbit G      shared switch core (default 0: non-blocking)\n"
+      "  --segment-bytes B    the transport's segment size (default 1M)\n"
+      "  --no-handshake       leave out the executor's header exchange\n"
+      "  --send-ahead         model an executor that posts a step's sends before its receives\n"
+      "  --measure-gamma      measure codec encode/decode rates on this machine (else gamma = 0)\n"
+      "  --fit FILE           fit alpha and beta to the JSON lines in FILE (bytes, time_us, ranks,\n"
+      "                       topology, codec), then predict with them\n"
+      "  --compare            with --fit: predicted against measured for every line of FILE\n"
+      "  --min-bytes B        --compare: the error summary covers sizes >= B (default 4M)\n"
+      "  --speedup            data-parallel speedup: --params P (default 60M) --compute-ms T\n"
+      "                       (default 100) --overlap F (default 0) over --ranks\n"
+      "  --json               one JSON object per line");
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  o.cl.nic = {25e-6, 1e9 / 8};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--topology") o.topologies = split(next());
+    else if (a == "--codec") o.codecs = split(next());
+    else if (a == "--ranks") {
+      o.ranks.clear();
+      for (auto& s : split(next())) o.ranks.push_back(static_cast<int>(parse_size(s)));
+    } else if (a == "--bytes") {
+      o.bytes.clear();
+      for (auto& s : split(next())) o.bytes.push_back(parse_size(s));
+    } else if (a == "--gbit") o.cl.nic.bandwidth_Bps = std::stod(next()) * 1e9 / 8;
+    else if (a == "--latency-us") o.cl.nic.latency_s = std::stod(next()) * 1e-6;
+    else if (a == "--ranks-per-host") o.cl.ranks_per_host = std::stoi(next());
+    else if (a == "--switch-gbit") o.cl.switch_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
+    else if (a == "--segment-bytes") o.cl.segment_bytes = static_cast<std::size_t>(parse_size(next()));
+    else if (a == "--no-handshake") o.cl.handshake = false;
+    else if (a == "--send-ahead") o.cl.send_ahead = true;
+    else if (a == "--measure-gamma") o.measure_gamma = true;
+    else if (a == "--fit") o.fit_file = next();
+    else if (a == "--compare") o.compare = true;
+    else if (a == "--min-bytes") o.min_compare_bytes = parse_size(next());
+    else if (a == "--speedup") o.speedup = true;
+    else if (a == "--params") o.params = parse_size(next());
+    else if (a == "--compute-ms") o.compute_s = std::stod(next()) * 1e-3;
+    else if (a == "--overlap") o.overlap = std::stod(next());
+    else if (a == "--json") o.json = true;
+    else if (a == "--help" || a == "-h") {
+      usage();
+      std::exit(0);
+    } else throw std::invalid_argument("unknown option " + a + " (--help lists them)");
+  }
+  return o;
+}
+
+struct prediction {
+  double sim_s = -1;  // -1: no schedule to simulate
+  double closed_s = 0;
+  std::uint64_t messages = 0;
+};
+
+prediction predict(const std::string& topo, const sim::codec_model& c, int size, std::size_t n, const sim::cluster& cl) {
+  prediction p;
+  n -= n % static_cast<std::size_t>(size);
+  if (topo == "ring") {
+    p.closed_s = sim::ring_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+    sim::simulator s(cl, c);
+    auto r = s.all_reduce(topology::ring{}, size, n);
+    p.sim_s = r.time_s, p.messages = r.messages;
+  } else if (topo == "torus2d") {
+    auto [rows, cols] = sim::square_shape(size);
+    p.closed_s = sim::torus2d_terms(rows, cols, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+    sim::simulator s(cl, c);
+    auto r = s.all_reduce(topology::torus2d{rows, cols}, size, n);
+    p.sim_s = r.time_s, p.messages = r.messages;
+  } else if (topo == "halving_doubling") {
+    p.closed_s = sim::halving_doubling_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+  } else {
+    throw std::invalid_argument("unknown topology '" + topo + "' (ring, torus2d, halving_doubling)");
+  }
+  return p;
+}
+
+std::map<std::string, sim::codec_model> codec_models(const options& o, const std::vector<std::string>& names) {
+  std::map<std::string, sim::codec_model> m;
+  for (const auto& n : names)
+    if (!m.count(n)) m.emplace(n, sim::codec_by_name(n, 0, o.measure_gamma));
+  return m;
+}
+
+void print_gamma(const options& o, const std::map<std::string, sim::codec_model>& models) {
+  for (const auto& [name, c] : models) {
+    if (o.json)
+      std::printf("{\"kind\":\"gamma\",\"codec\":\"%s\",\"encode_ns\":%.4f,\"decode_ns\":%.4f,\"decode_add_ns\":%.4f}\n",
+                  name.c_str(), c.rates.encode_s * 1e9, c.rates.decode_s * 1e9, c.rates.decode_add_s * 1e9);
+    else
+      std::printf("# gamma %-9s encode %.3f ns/value, decode %.3f, decode-add %.3f\n", name.c_str(),
+                  c.rates.encode_s * 1e9, c.rates.decode_s * 1e9, c.rates.decode_add_s * 1e9);
+  }
+}
+
+int run_fit(options& o) {
+  std::ifstream in(o.fit_file);
+  if (!in) throw std::runtime_error("cannot open " + o.fit_file);
+  std::vector<sim::json_object> lines;
+  for (std::string line; std::getline(in, line);)
+    if (auto obj = sim::parse_json_line(line)) lines.push_back(*obj);
+  std::vector<std::string> names;
+  for (auto& l : lines)
+    if (l.count("codec")) names.push_back(l["codec"]);
+  auto models = codec_models(o, names);
+  std::vector<sim::sample> samples;
+  for (auto& l : lines) {
+    if (!l.count("codec") || !l.count("time_us")) continue;
+    auto t = sim::terms_of(l, models.at(l["codec"]), o.cl.segment_bytes);
+    if (!t) continue;
+    const auto& c = models.at(l["codec"]);
+    samples.push_back({t->messages, t->wire_bytes, t->compute_time(c.rates), std::stod(l["time_us"]) * 1e-6});
+  }
+  const sim::fit_result f = sim::fit_alpha_beta(samples);
+  o.cl.nic = f.link;
+  print_gamma(o, models);
+  if (o.json)
+    std::printf("{\"kind\":\"fit\",\"alpha_us\":%.3f,\"bandwidth_Gbit\":%.4f,\"samples\":%zu,\"rms_rel_err\":%.4f}\n",
+                f.link.latency_s * 1e6, f.link.bandwidth_Bps * 8 / 1e9, f.samples, f.rms_relative_error);
+  else
+    std::printf("# fit over %zu measurements: alpha %.1f us, bandwidth %.4f Gbit/s, rms relative error %.1f%%\n",
+                f.samples, f.link.latency_s * 1e6, f.link.bandwidth_Bps * 8 / 1e9, 100 * f.rms_relative_error);
+  if (!o.compare) return 0;
+  if (!o.json)
+    std::printf("%-9s %-9s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
+                "sim_us", "closed_us", "err");
+  double worst = 0;
+  int within = 0, total = 0;
+  for (auto& l : lines) {
+    if (!l.count("codec") || !l.count("time_us") || !l.count("topology")) continue;
+    if (l["topology"] != "ring" && l["topology"] != "torus2d") continue;
+    const int size = std::stoi(l.count("ranks") ? l["ranks"] : l["size"]);
+    const double bytes = std::stod(l["bytes"]), measured = std::stod(l["time_us"]) * 1e-6;
+    const auto p = predict(l["topology"], models.at(l["codec"]), size, static_cast<std::size_t>(bytes) / 4, o.cl);
+    const double err = (p.sim_s - measured) / measured;
+    if (bytes >= o.min_compare_bytes) {
+      ++total;
+      within += std::abs(err) <= 0.15;
+      worst = std::max(worst, std::abs(err));
+    }
+    if (o.json)
+      std::printf("{\"kind\":\"compare\",\"topology\":\"%s\",\"codec\":\"%s\",\"ranks\":%d,\"bytes\":%.0f,"
+                  "\"measured_us\":%.1f,\"sim_us\":%.1f,\"closed_us\":%.1f,\"rel_err\":%.4f}\n",
+                  l["topology"].c_str(), l["codec"].c_str(), size, bytes, measured * 1e6, p.sim_s * 1e6,
+                  p.closed_s * 1e6, err);
+    else
+      std::printf("%-9s %-9s %5d %10.0f %12.1f %12.1f %12.1f %+7.1f%%\n", l["topology"].c_str(), l["codec"].c_str(),
+                  size, bytes, measured * 1e6, p.sim_s * 1e6, p.closed_s * 1e6, 100 * err);
+  }
+  if (o.json)
+    std::printf("{\"kind\":\"compare_summary\",\"min_bytes\":%.0f,\"within_15pct\":%d,\"total\":%d,\"worst_rel_err\":%.4f}\n",
+                o.min_compare_bytes, within, total, worst);
+  else
+    std::printf("# sizes >= %.0f bytes: %d of %d within 15%%, worst %.1f%%\n", o.min_compare_bytes, within, total, 100 * worst);
+  return 0;
+}
+
+int run_speedup(const options& o) {
+  auto models = codec_models(o, o.codecs);
+  if (o.measure_gamma) print_gamma(o, models);
+  const std::size_t n = static_cast<std::size_t>(o.params);
+  if (!o.json)
+    std::printf("%-9s %-9s %6s %12s %12s %9s\n", "topology", "codec", "ranks", "comm_ms", "compute_ms", "speedup");
+  for (const auto& topo : o.topologies)
+    for (const auto& cn : o.codecs)
+      for (int size : o.ranks) {
+        const auto p = predict(topo, models.at(cn), size, n, o.cl);
+        const double comm = p.sim_s >= 0 ? p.sim_s : p.closed_s;
+        const double sp = sim::data_parallel_speedup(size, o.compute_s, comm, o.overlap);
+        if (o.json)
+          std::printf("{\"kind\":\"speedup\",\"topology\":\"%s\",\"codec\":\"%s\",\"ranks\":%d,\"params\":%.0f,"
+                      "\"comm_us\":%.1f,\"compute_us\":%.1f,\"overlap\":%.2f,\"speedup\":%.3f}\n",
+                      topo.c_str(), cn.c_str(), size, o.params, comm * 1e6, o.compute_s * 1e6, o.overlap, sp);
+        else
+          std::printf("%-9s %-9s %6d %12.2f %12.2f %9.2f\n", topo.c_str(), cn.c_str(), size, comm * 1e3,
+                      o.compute_s * 1e3, sp);
+      }
+  return 0;
+}
+
+int run_predict(const options& o) {
+  auto models = codec_models(o, o.codecs);
+  if (o.measure_gamma) print_gamma(o, models);
+  if (!o.json)
+    std::printf("%-16s %-9s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
+                "closed_us", "busbw_GB/s", "sim_wall_s");
+  for (double bytes : o.bytes)
+    for (const auto& topo : o.topologies)
+      for (const auto& cn : o.codecs)
+        for (int size : o.ranks) {
+          const auto t0 = std::chrono::steady_clock::now();
+          const auto p = predict(topo, models.at(cn), size, static_cast<std::size_t>(bytes) / 4, o.cl);
+          const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          const double t = p.sim_s >= 0 ? p.sim_s : p.closed_s;
+          const double busbw = sim::allreduce_busbw(bytes, t, size);
+          if (o.json)
+            std::printf("{\"kind\":\"predict\",\"topology\":\"%s\",\"codec\":\"%s\",\"ranks\":%d,\"bytes\":%.0f,"
+                        "\"time_us\":%.3f,\"closed_us\":%.3f,\"simulated\":%s,\"busbw_GBps\":%.6f,\"messages\":%llu,"
+                        "\"alpha_us\":%.3f,\"bandwidth_Gbit\":%.4f,\"ranks_per_host\":%d,\"sim_wall_s\":%.3f}\n",
+                        topo.c_str(), cn.c_str(), size, bytes, t * 1e6, p.closed_s * 1e6, p.sim_s >= 0 ? "true" : "false",
+                        busbw / 1e9, static_cast<unsigned long long>(p.messages), o.cl.nic.latency_s * 1e6,
+                        o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.ranks_per_host, wall);
+          else
+            std::printf("%-16s %-9s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
+                        p.sim_s >= 0 ? std::to_string(p.sim_s * 1e6).c_str() : "-", p.closed_s * 1e6, busbw / 1e9, wall);
+        }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    options o = parse(argc, argv);
+    if (!o.fit_file.empty()) {
+      run_fit(o);
+      if (o.compare) return 0;
+    }
+    return o.speedup ? run_speedup(o) : run_predict(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep-sim: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,506 @@
+// lockstep/sim/simulator.hpp: a discrete-event simulator that runs every rank's schedule — the
+// very steps topology::all_reduce_schedule hands the executor — with a clock instead of a
+// transport.
+//
+// What it models, and why that much:
+//   * each rank's core does what collective/executor.hpp does, in the same order: per step, the
+//     send and receive spans are cut into segments (a multiple of the codec block, about
+//     segment_bytes) and interleaved — encode send segment j (reduce-scatter only: the all-gather
+//     forwards wire bytes), post it, wait for receive segment j, decode-add (reduce) or decode
+//     (copy; free for fp32, which lands in place); the step ends when its sends have left too.
+//     Between the phases the owner encodes and decodes its final chunk once. Codec work costs
+//     gamma per element (codec_rates, measured by measure_rates).
+//   * links: every host has one NIC, an egress and an ingress link (full duplex) of the cluster's
+//     bandwidth; inter-host messages also cross the switch core when it is not non-blocking.
+//     A message occupies every link of its path for bytes / bandwidth, starting when all are free
+//     (first come, first served, in order of the time it is posted), and arrives `latency` after
+//     its last byte left. Flows that share a NIC or the core therefore queue behind each other,
+//     and back-to-back segments pipeline: one latency per step, not per segment.
+//   * ranks of one host talk over `local` links that are not shared (memory copies).
+//   * the handshake: before any data, a header from every peer a rank receives from.
+// What it leaves out: TCP slow start and MPI's rendezvous for large messages (both show up in
+// the fitted alpha and beta), and codec work of other ranks slowing a shared core.
+//
+// Cost: one heap operation per message (segment); schedules are kept run-length encoded (a run is
+// a stretch of steps whose chunk spans move by a constant stride), so 4096 ranks x 8190 ring steps
+// take a few hundred kilobytes, not gigabytes.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../topology/concept.hpp"
+#include "../topology/ring.hpp"
+#include "../topology/torus2d.hpp"
+#include "../topology/schedule.hpp"
+#include "cost_model.hpp"
+
+namespace lockstep::sim {
+
+struct cluster {
+  link_params nic{};                             // every host's NIC, each direction
+  link_params local{1e-6, 10e9};                 // ranks of the same host
+  int ranks_per_host = 1;                        // rank r lives on host r / ranks_per_host
+  double switch_bandwidth_Bps = 0;               // 0: non-blocking; else one core all hosts share
+  std::size_t segment_bytes = std::size_t{1} << 20;  // the transport's (inproc: 1 MiB)
+  bool handshake = true;
+  // false: the executor as it is — send segment j+1 is posted after receive segment j arrived, so
+  // each segment pays the latency. true: a variant that posts all of a step's sends first, so a
+  // step pays it once (the papers' 2(N-1) alpha); what the torus needs to beat the ring.
+  bool send_ahead = false;
+};
+
+struct result {
+  double time_s = 0;       // the slowest rank's finish
+  double min_time_s = 0;   // the fastest rank's finish
+  double bytes = 0;        // fp32 payload of the all-reduce
+  double busbw_Bps = 0;
+  std::uint64_t messages = 0;
+  std::uint64_t steps = 0;  // per rank, the longest schedule
+};
+
+namespace detail {
+
+// A stretch of `length` steps with the same peers, action, phase and span sizes whose span starts
+// move by a constant stride: step k of the run sends chunks [send_first + k*send_stride, ... +
+// send_count). Ring and torus schedules compress to a handful of runs per rank.
+struct run {
+  int send_peer = -1, recv_peer = -1;
+  std::uint32_t send_first = 0, send_count = 0, recv_first = 0, recv_count = 0;
+  std::int64_t send_stride = 0, recv_stride = 0;
+  std::uint32_t length = 0;
+  bool reduce = false;
+  bool reduce_scatter = false;
+};
+
+struct compact_schedule {
+  std::vector<run> runs;
+  std::uint32_t steps = 0, chunks = 1;
+  topology::chunk_span owned;
+  std::vector<int> recv_peers;  // distinct, for the handshake
+};
+
+inline compact_schedule compress(const topology::schedule& s) {
+  compact_schedule c;
+  c.steps = static_cast<std::uint32_t>(s.steps.size());
+  c.chunks = s.chunks;
+  c.owned = s.owned;
+  for (const topology::step& st : s.steps) {
+    const bool red = st.act == topology::action::reduce, rs = st.phase == topology::phase::reduce_scatter;
+    const std::uint32_t sc = st.send_peer >= 0 ? st.send.count : 0, rc = st.recv_peer >= 0 ? st.recv.count : 0;
+    if (st.recv_peer >= 0 && std::find(c.recv_peers.begin(), c.recv_peers.end(), st.recv_peer) == c.recv_peers.end())
+      c.recv_peers.push_back(st.recv_peer);
+    if (!c.runs.empty()) {
+      run& r = c.runs.back();
+      if (r.send_peer == st.send_peer && r.recv_peer == st.recv_peer && r.reduce == red && r.reduce_scatter == rs &&
+          r.send_count == sc && r.recv_count == rc) {
+        const std::int64_t ds = std::int64_t(st.send.first) - r.send_first, dr = std::int64_t(st.recv.first) - r.recv_first;
+        if (r.length == 1) {
+          r.send_stride = ds, r.recv_stride = dr, r.length = 2;
+          continue;
+        }
+        if (ds == r.send_stride * r.length && dr == r.recv_stride * r.length) {
+          ++r.length;
+          continue;
+        }
+      }
+    }
+    c.runs.push_back({st.send_peer, st.recv_peer, st.send.first, sc, st.recv.first, rc, 0, 0, 1, red, rs});
+  }
+  return c;
+}
+
+// Walks the segments of a chunk span in the executor's order: chunk by chunk, `seg` values at a time.
+struct segment_cursor {
+  std::uint64_t n = 0, chunks = 1, seg = 1;
+  std::uint32_t chunk = 0, end = 0;  // current chunk, one past the last
+  std::uint64_t offset = 0;          // within the current chunk
+
+  std::uint64_t chunk_len(std::uint32_t c) const noexcept {
+    using wide = unsigned __int128;
+    return static_cast<std::uint64_t>(wide(n) * (c + 1) / chunks - wide(n) * c / chunks);
+  }
+  void reset(std::uint32_t first, std::uint32_t count) noexcept {
+    chunk = first, end = first + count, offset = 0;
+    skip_empty();
+  }
+  void skip_empty() noexcept {
+    while (chunk < end && offset >= chunk_len(chunk)) ++chunk, offset = 0;
+  }
+  bool done() const noexcept { return chunk >= end; }
+  std::uint64_t next() noexcept {  // length of the current segment; moves past it
+    const std::uint64_t len = std::min(seg, chunk_len(chunk) - offset);
+    offset += len;
+    skip_empty();
+    return len;
+  }
+};
+
+}  // namespace detail
+
+// Simulates one collective: schedule_of(rank) gives each rank's schedule (all the same number of
+// chunks) over n fp32 values. `finalize_owned`: the all-reduce's owner encode + decode between the
+// phases (set it for all_reduce schedules).
+class simulator {
+ public:
+  simulator(const cluster& cl, const codec_model& codec) : cl_(cl), codec_(codec) {
+    if (cl_.ranks_per_host < 1) throw std::invalid_argument("cluster: ranks_per_host must be >= 1");
+    if (cl_.nic.bandwidth_Bps <= 0 || cl_.local.bandwidth_Bps <= 0) throw std::invalid_argument("cluster: bandwidths must be > 0");
+  }
+
+  result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
+             bool finalize_owned = true) {
+    if (size < 1) throw std::invalid_argument("simulator: group size " + std::to_string(size));
+    last_symmetric_ = false;
+    size_ = size;
+    n_ = n;
+    finalize_ = finalize_owned;
+    seg_ = segment_elems(codec_, cl_.segment_bytes);
+    hosts_ = (size + cl_.ranks_per_host - 1) / cl_.ranks_per_host;
+    link_free_.assign(2 * static_cast<std::size_t>(hosts_) + 1, 0.0);
+    ranks_.assign(static_cast<std::size_t>(size), {});
+    heap_.clear();
+    seq_ = 0;
+    messages_ = 0;
+    std::uint64_t max_steps = 0;
+    for (int r = 0; r < size; ++r) {
+      rank_state& R = ranks_[static_cast<std::size_t>(r)];
+      R.sched = detail::compress(schedule_of(r));
+      if (r > 0 && R.sched.chunks != ranks_[0].sched.chunks)
+        throw std::invalid_argument("simulator: ranks cut the buffer into different numbers of chunks");
+      max_steps = std::max<std::uint64_t>(max_steps, R.sched.steps);
+      R.send.n = R.recv.n = n;
+      R.send.chunks = R.recv.chunks = R.sched.chunks;
+      R.send.seg = R.recv.seg = seg_;
+    }
+    for (int r = 0; r < size; ++r) {
+      rank_state& R = ranks_[static_cast<std::size_t>(r)];
+      if (cl_.handshake)
+        for (int p : R.sched.recv_peers) {
+          const link_params& l = same_host(p, r) ? cl_.local : cl_.nic;
+          R.t = std::max(R.t, l.latency_s + static_cast<double>(header_bytes) / l.bandwidth_Bps);
+        }
+      R.finalized = !finalize_;
+    }
+    for (int r = 0; r < size; ++r) advance(r);
+    while (!heap_.empty()) {
+      std::pop_heap(heap_.begin(), heap_.end(), later);
+      const message m = heap_.back();
+      heap_.pop_back();
+      deliver(m);
+    }
+    result res;
+    res.time_s = 0;
+    res.min_time_s = std::numeric_limits<double>::infinity();
+    for (int r = 0; r < size; ++r) {
+      const rank_state& R = ranks_[static_cast<std::size_t>(r)];
+      if (!R.finished)
+        throw std::logic_error("simulator: rank " + std::to_string(r) + " never finished (stuck at step " +
+                               std::to_string(R.step) + "): the schedules do not match each other");
+      res.time_s = std::max(res.time_s, R.t);
+      res.min_time_s = std::min(res.min_time_s, R.t);
+    }
+    res.bytes = static_cast<double>(n) * sizeof(float);
+    res.busbw_Bps = allreduce_busbw(res.bytes, res.time_s, size);
+    res.messages = messages_;
+    res.steps = max_steps;
+    return res;
+  }
+
+  template <topology::topology T>
+  result all_reduce(const T& topo, int size, std::size_t n) {
+    topo.validate(size);
+    auto schedule_of = [&](int r) { return topology::all_reduce_schedule(topo, r, size); };
+    if (auto shape = translation_shape(topo, size); shape && symmetric_cluster(n, size)) {
+      if (auto r = run_symmetric(size, n, *shape, schedule_of)) return *r;
+    }
+    return run(size, n, schedule_of, true);
+  }
+
+  // Which fast path the last all_reduce took (tests check both agree).
+  bool last_was_symmetric() const noexcept { return last_symmetric_; }
+  // Ranks whose schedules run_symmetric compares with rank 0's before it trusts the symmetry
+  // (0: all of them). Every rank is the proof; a sample keeps 4096-rank runs fast.
+  void set_symmetry_checks(int ranks) noexcept { symmetry_checks_ = ranks; }
+  void disable_symmetry(bool off = true) noexcept { no_symmetry_ = off; }
+
+ private:
+  struct message {
+    double ready;        // posted by the sender's core
+    std::uint64_t seq;   // ties: posting order
+    std::uint32_t src, dst, step, index;
+    std::uint64_t bytes;
+  };
+  static bool later(const message& a, const message& b) noexcept {
+    return a.ready != b.ready ? a.ready > b.ready : a.seq > b.seq;
+  }
+  struct arrival {
+    std::uint32_t src, step, index;
+    double time;
+  };
+  enum class wait : std::uint8_t { none, recv, sends };
+  struct rank_state {
+    detail::compact_schedule sched;
+    std::uint32_t run = 0, in_run = 0, step = 0;
+    bool in_step = false, finished = false, finalized = false, reduce = false, reduce_scatter = false;
+    int send_peer = -1, recv_peer = -1;
+    detail::segment_cursor send, recv;
+    std::uint32_t sent = 0, received = 0;  // segments of the current step
+    std::uint32_t sends_pending = 0;
+    double send_end = 0;
+    double t = 0;  // this rank's core
+    wait waiting = wait::none;
+    std::vector<arrival> early;  // arrived before this rank wanted them
+  };
+
+  bool same_host(int a, int b) const noexcept { return a / cl_.ranks_per_host == b / cl_.ranks_per_host; }
+
+  // The symmetry argument. Put the ranks on an R x C grid, r = i*C + j, and let s_(a,b) move
+  // (i, j) to (i+a mod R, j+b mod C). Suppose, for every rank r = (a, b) and every step k, rank r's
+  // step k is rank 0's step k with the peers moved by s_(a,b) and the same span sizes, action
+  // and phase; every chunk holds the same number of values; every rank has its own NIC and the
+  // switch is non-blocking. Then the whole system is invariant under s, and by induction over
+  // events in time order every rank's timeline equals rank 0's: the message rank 0 receives from
+  // peer p at (step k, segment j) was posted by p at the time rank 0 posted its own (k, j), and it
+  // queued on rank 0's ingress exactly as rank 0's own (k, j) queued on its peer's ingress. So one
+  // rank simulated with one egress and one ingress clock is the exact answer, not an estimate.
+  // The schedule condition is what run_symmetric checks; ring is the 1 x N grid, torus2d R x C.
+  static std::optional<std::pair<int, int>> translation_shape(const topology::ring&, int size) {
+    return std::pair{1, size};
+  }
+  static std::optional<std::pair<int, int>> translation_shape(const topology::torus2d& t, int size) {
+    return t.shape(size);
+  }
+  template <class T>
+  static std::optional<std::pair<int, int>> translation_shape(const T&, int) {
+    return std::nullopt;
+  }
+  bool symmetric_cluster(std::size_t n, int size) const noexcept {
+    return !no_symmetry_ && cl_.ranks_per_host == 1 && cl_.switch_bandwidth_Bps <= 0 && n % static_cast<std::size_t>(size) == 0;
+  }
+
+  std::optional<result> run_symmetric(int size, std::size_t n, std::pair<int, int> shape,
+                                      const std::function<topology::schedule(int)>& schedule_of) {
+    last_symmetric_ = false;
+    const int rows = shape.first, C = shape.second;
+    const topology::schedule s0 = schedule_of(0);
+    if (s0.chunks != static_cast<std::uint32_t>(size) && n % s0.chunks) return std::nullopt;
+    auto move = [&](int x, int a, int b) { return x < 0 ? x : ((x / C + a) % rows) * C + (x % C + b) % C; };
+    auto matches = [&](int r) {
+      const topology::schedule sr = schedule_of(r);
+      if (sr.steps.size() != s0.steps.size() || sr.chunks != s0.chunks || sr.owned.count != s0.owned.count) return false;
+      const int a = r / C, b = r % C;
+      for (std::size_t k = 0; k < s0.steps.size(); ++k) {
+        const topology::step &x = s0.steps[k], &y = sr.steps[k];
+        if (move(x.send_peer, a, b) != y.send_peer || move(x.recv_peer, a, b) != y.recv_peer ||
+            x.send.count != y.send.count || x.recv.count != y.recv.count || x.act != y.act || x.phase != y.phase)
+          return false;
+      }
+      return true;
+    };
+    if (symmetry_checks_ <= 0 || symmetry_checks_ >= size) {
+      for (int r = 1; r < size; ++r)
+        if (!matches(r)) return std::nullopt;
+    } else {
+      // The neighbours of 0 in both directions and a spread of others.
+      std::vector<int> probe{1, size - 1, C % size, (size - C) % size, size / 2};
+      for (int i = 0; static_cast<int>(probe.size()) < symmetry_checks_; ++i)
+        probe.push_back(static_cast<int>((1 + 2654435761ull * static_cast<unsigned>(i)) % static_cast<unsigned>(size)));
+      for (int r : probe)
+        if (r > 0 && !matches(r)) return std::nullopt;
+    }
+    // Every rank receives at step k as many segments as it sends (a received segment mirrors one
+    // of its own sends); otherwise the argument does not apply.
+    for (const topology::step& st : s0.steps)
+      if ((st.send_peer >= 0) != (st.recv_peer >= 0) || st.send.count != st.recv.count) return std::nullopt;
+
+    size_ = size;
+    n_ = n;
+    seg_ = segment_elems(codec_, cl_.segment_bytes);
+    rank_state R;
+    R.sched = detail::compress(s0);
+    R.send.n = R.recv.n = n;
+    R.send.chunks = R.recv.chunks = R.sched.chunks;
+    R.send.seg = R.recv.seg = seg_;
+    R.finalized = false;
+    if (cl_.handshake && !R.sched.recv_peers.empty())
+      R.t = cl_.nic.latency_s + static_cast<double>(header_bytes) / cl_.nic.bandwidth_Bps;
+    double egress = 0, ingress = 0;
+    std::vector<double> arrive;  // of this step's segments, by index
+    std::uint64_t messages = 0;
+    for (R.step = 0; R.step < R.sched.steps;) {
+      maybe_finalize(R);
+      const detail::run& ru = R.sched.runs[R.run];
+      const std::int64_t k = R.in_run;
+      R.reduce = ru.reduce;
+      R.reduce_scatter = ru.reduce_scatter;
+      R.send.reset(static_cast<std::uint32_t>(ru.send_first + k * ru.send_stride), ru.send_peer >= 0 ? ru.send_count : 0);
+      R.recv.reset(static_cast<std::uint32_t>(ru.recv_first + k * ru.recv_stride), ru.recv_peer >= 0 ? ru.recv_count : 0);
+      R.sent = R.received = 0;
+      double send_end = 0;
+      arrive.clear();
+      while (!R.send.done() || !R.recv.done()) {
+        if (!R.send.done() && (cl_.send_ahead || R.sent <= R.received || R.recv.done())) {
+          const std::uint64_t len = R.send.next();
+          if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
+          const double start = std::max({R.t, egress, ingress});
+          const double end = start + static_cast<double>(codec_.message_bytes(len)) / cl_.nic.bandwidth_Bps;
+          egress = ingress = send_end = end;
+          arrive.push_back(end + cl_.nic.latency_s);
+          ++R.sent;
+          ++messages;
+        }
+        if (!R.recv.done() && ((!cl_.send_ahead && R.sent > R.received) || R.send.done())) {
+          if (R.received >= arrive.size()) return std::nullopt;  // receives ahead of sends: no mirror
+          consume(R, arrive[R.received]);
+        }
+      }
+      R.t = std::max(R.t, send_end);
+      ++R.step;
+      if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
+    }
+    maybe_finalize(R);
+    last_symmetric_ = true;
+    result res;
+    res.time_s = res.min_time_s = R.t;
+    res.bytes = static_cast<double>(n) * sizeof(float);
+    res.busbw_Bps = allreduce_busbw(res.bytes, res.time_s, size);
+    res.messages = messages * static_cast<std::uint64_t>(size);
+    res.steps = R.sched.steps;
+    return res;
+  }
+
+  void post(rank_state& R, std::uint32_t src, std::uint64_t len) {
+    if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
+    heap_.push_back({R.t, seq_++, src, static_cast<std::uint32_t>(R.send_peer), R.step, R.sent++,
+                     codec_.message_bytes(len)});
+    std::push_heap(heap_.begin(), heap_.end(), later);
+    ++R.sends_pending;
+    ++messages_;
+  }
+
+  void consume(rank_state& R, double when) {
+    const std::uint64_t len = R.recv.next();
+    R.t = std::max(R.t, when);
+    if (R.reduce) R.t += static_cast<double>(len) * codec_.rates.decode_add_s;
+    else if (!codec_.identity) R.t += static_cast<double>(len) * codec_.rates.decode_s;
+    ++R.received;
+  }
+
+  void maybe_finalize(rank_state& R) {
+    if (R.finalized) return;
+    const bool more_rs = R.step < R.sched.steps && R.sched.runs[R.run].reduce_scatter;
+    if (more_rs) return;
+    R.finalized = true;
+    if (codec_.identity || size_ < 2) return;
+    detail::segment_cursor own = R.send;
+    own.reset(R.sched.owned.first, R.sched.owned.count);
+    std::uint64_t elems = 0;
+    for (std::uint32_t c = own.chunk; c < own.end; ++c) elems += own.chunk_len(c);
+    R.t += static_cast<double>(elems) * (codec_.rates.encode_s + codec_.rates.decode_s);
+  }
+
+  // Runs rank r until it must wait for a message or for its sends, or until it is done.
+  void advance(int r) {
+    rank_state& R = ranks_[static_cast<std::size_t>(r)];
+    R.waiting = wait::none;
+    for (;;) {
+      if (!R.in_step) {
+        maybe_finalize(R);
+        if (R.step == R.sched.steps) {
+          R.finished = true;
+          return;
+        }
+        const detail::run& ru = R.sched.runs[R.run];
+        const std::int64_t k = R.in_run;
+        R.send_peer = ru.send_peer;
+        R.recv_peer = ru.recv_peer;
+        R.reduce = ru.reduce;
+        R.reduce_scatter = ru.reduce_scatter;
+        R.send.reset(static_cast<std::uint32_t>(ru.send_first + k * ru.send_stride), ru.send_peer >= 0 ? ru.send_count : 0);
+        R.recv.reset(static_cast<std::uint32_t>(ru.recv_first + k * ru.recv_stride), ru.recv_peer >= 0 ? ru.recv_count : 0);
+        R.sent = R.received = 0;
+        R.send_end = 0;
+        R.in_step = true;
+      }
+      // Round j: send segment j, then receive segment j (the executor's order).
+      while (!R.send.done() || !R.recv.done()) {
+        if (!R.send.done() && (cl_.send_ahead || R.sent <= R.received || R.recv.done())) post(R, static_cast<std::uint32_t>(r), R.send.next());
+        if (!R.recv.done() && ((!cl_.send_ahead && R.sent > R.received) || R.send.done())) {
+          auto it = std::find_if(R.early.begin(), R.early.end(), [&](const arrival& a) {
+            return a.src == static_cast<std::uint32_t>(R.recv_peer) && a.step == R.step && a.index == R.received;
+          });
+          if (it == R.early.end()) {
+            R.waiting = wait::recv;
+            return;
+          }
+          const double when = it->time;
+          *it = R.early.back();
+          R.early.pop_back();
+          consume(R, when);
+        }
+      }
+      if (R.sends_pending) {
+        R.waiting = wait::sends;
+        return;
+      }
+      R.t = std::max(R.t, R.send_end);
+      R.in_step = false;
+      ++R.step;
+      if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
+    }
+  }
+
+  // The message leaves its sender's core: it takes the links of its path, then reaches the peer.
+  void deliver(const message& m) {
+    const int src = static_cast<int>(m.src), dst = static_cast<int>(m.dst);
+    double start = m.ready, end, arrive;
+    if (same_host(src, dst)) {
+      end = start + static_cast<double>(m.bytes) / cl_.local.bandwidth_Bps;
+      arrive = end + cl_.local.latency_s;
+    } else {
+      const std::size_t out = 2 * static_cast<std::size_t>(src / cl_.ranks_per_host);
+      const std::size_t in = 2 * static_cast<std::size_t>(dst / cl_.ranks_per_host) + 1;
+      const std::size_t core = link_free_.size() - 1;
+      const bool shared_core = cl_.switch_bandwidth_Bps > 0;
+      start = std::max({start, link_free_[out], link_free_[in], shared_core ? link_free_[core] : 0.0});
+      double bw = cl_.nic.bandwidth_Bps;
+      if (shared_core) bw = std::min(bw, cl_.switch_bandwidth_Bps);
+      end = start + static_cast<double>(m.bytes) / bw;
+      link_free_[out] = link_free_[in] = end;
+      if (shared_core) link_free_[core] = end;
+      arrive = end + cl_.nic.latency_s;
+    }
+    rank_state& S = ranks_[m.src];
+    S.send_end = std::max(S.send_end, end);
+    if (--S.sends_pending == 0 && S.waiting == wait::sends) advance(src);
+    rank_state& D = ranks_[m.dst];
+    if (D.waiting == wait::recv && D.recv_peer == src && D.step == m.step && D.received == m.index) {
+      consume(D, arrive);
+      advance(dst);
+    } else {
+      D.early.push_back({m.src, m.step, m.index, arrive});
+    }
+  }
+
+  cluster cl_;
+  codec_model codec_;
+  int size_ = 0, hosts_ = 0;
+  std::size_t n_ = 0;
+  std::uint64_t seg_ = 1;
+  bool finalize_ = true;
+  bool last_symmetric_ = false, no_symmetry_ = false;
+  int symmetry_checks_ = 16;
+  std::vector<double> link_free_;  // (host, direction) then the core
+  std::vector<rank_state> ranks_;
+  std::vector<message> heap_;
+  std::uint64_t seq_ = 0, messages_ = 0;
+};
+
+}  // namespace lockstep::sim
