@@ -1,0 +1,216 @@
+// Tests of lockstep/sim: the discrete-event simulator against the closed forms where both must
+// agree exactly, its symmetric shortcut against the full event run, contention and monotonicity,
+// and the alpha/beta fit against known parameters.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <random>
+
+#include <lockstep/codec.hpp>
+#include <lockstep/sim/cost_model.hpp>
+#include <lockstep/sim/fit.hpp>
+#include <lockstep/sim/simulator.hpp>
+#include <lockstep/topology.hpp>
+
+using namespace lockstep;
+
+namespace {
+
+sim::cluster gigabit() {
+  sim::cluster cl;
+  cl.nic = {30e-6, 125e6};
+  cl.segment_bytes = 256 * 1024;  // several segments per step at the sizes below
+  return cl;
+}
+
+// gamma of the order measured on a laptop core, so codec work is visible next to 1 Gbit/s
+sim::codec_rates some_gamma() { return {4e-9, 0.7e-9, 0.9e-9}; }
+
+double full_run(const sim::cluster& cl, const sim::codec_model& c, int size, std::size_t n, bool torus) {
+  sim::simulator s(cl, c);
+  s.disable_symmetry();
+  auto r = torus ? s.all_reduce(topology::torus2d{}, size, n) : s.all_reduce(topology::ring{}, size, n);
+  REQUIRE_FALSE(s.last_was_symmetric());
+  return r.time_s;
+}
+
+double closed(const sim::cluster& cl, const sim::codec_model& c, int size, std::size_t n, bool torus) {
+  if (!torus) return sim::ring_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+  auto [r, cc] = sim::square_shape(size);
+  return sim::torus2d_terms(r, cc, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+}
+
+}  // namespace
+
+TEST_CASE("simulator equals the closed form on contention-free links", "[sim]") {
+  const bool torus = GENERATE(false, true);
+  const bool send_ahead = GENERATE(false, true);
+  const std::string name = GENERATE(as<std::string>{}, "fp32", "bf16", "dyntree8");
+  const int size = GENERATE(2, 4, 6, 16);
+  const std::size_t n = std::size_t{1} << 20;  // 4 MiB: 64 to 512 KiB chunks, 1 to 4 segments
+  sim::cluster cl = gigabit();
+  cl.send_ahead = send_ahead;
+  sim::codec_model c = sim::codec_by_name(name);
+  // With gamma = 0 the model is exact whatever the segmentation; without send-ahead the executor's
+  // order (send j+1 after receive j) serialises codec work with transfer, so it is exact then too.
+  if (!send_ahead) c.rates = some_gamma();
+  CAPTURE(torus, send_ahead, name, size);
+  const double want = closed(cl, c, size, n - n % static_cast<std::size_t>(size), torus);
+  const double got = full_run(cl, c, size, n - n % static_cast<std::size_t>(size), torus);
+  REQUIRE(got == Approx(want).epsilon(1e-9));
+}
+
+TEST_CASE("with send-ahead and codec work, the closed form is an upper bound the overlap stays under", "[sim]") {
+  sim::cluster cl = gigabit();
+  cl.send_ahead = true;
+  sim::codec_model c = sim::codec_by_name("int8");
+  c.rates = some_gamma();
+  const std::size_t n = std::size_t{1} << 22;
+  const double got = full_run(cl, c, 8, n, false);
+  const double bound = closed(cl, c, 8, n, false);
+  sim::codec_model free_codec = c;
+  free_codec.rates = {};
+  REQUIRE(got < bound);
+  REQUIRE(got > closed(cl, free_codec, 8, n, false));
+}
+
+TEST_CASE("the symmetric shortcut equals the full event run", "[sim]") {
+  const bool torus = GENERATE(false, true);
+  const bool send_ahead = GENERATE(false, true);
+  const int size = GENERATE(3, 12, 16, 64);
+  sim::cluster cl = gigabit();
+  cl.send_ahead = send_ahead;
+  sim::codec_model c = sim::codec_by_name("dyntree8");
+  c.rates = some_gamma();
+  const std::size_t n = static_cast<std::size_t>(size) * 12288;
+  sim::simulator s(cl, c);
+  s.set_symmetry_checks(0);  // every rank: here the check is the proof
+  auto fast = torus ? s.all_reduce(topology::torus2d{}, size, n) : s.all_reduce(topology::ring{}, size, n);
+  REQUIRE(s.last_was_symmetric());
+  CAPTURE(torus, send_ahead, size);
+  REQUIRE(fast.time_s == Approx(full_run(cl, c, size, n, torus)).epsilon(1e-12));
+}
+
+TEST_CASE("the shortcut is not taken where the symmetry does not hold", "[sim]") {
+  sim::codec_model c = sim::codec_by_name("fp32");
+  SECTION("unequal chunks") {
+    sim::simulator s(gigabit(), c);
+    s.all_reduce(topology::ring{}, 8, 8 * 1000 + 3);
+    REQUIRE_FALSE(s.last_was_symmetric());
+  }
+  SECTION("two ranks per NIC") {
+    sim::cluster cl = gigabit();
+    cl.ranks_per_host = 2;
+    sim::simulator s(cl, c);
+    s.all_reduce(topology::ring{}, 8, 8 * 1000);
+    REQUIRE_FALSE(s.last_was_symmetric());
+  }
+}
+
+TEST_CASE("shared links slow the collective down", "[sim]") {
+  sim::codec_model c = sim::codec_by_name("fp32");
+  const std::size_t n = std::size_t{1} << 22;
+  sim::cluster cl = gigabit();
+  const double free_links = full_run(cl, c, 8, n, false);
+  SECTION("a switch core no faster than one NIC serialises all hosts' flows") {
+    cl.switch_bandwidth_Bps = cl.nic.bandwidth_Bps;
+    const double shared = full_run(cl, c, 8, n, false);
+    // 8 flows of one step share the core: about 8x the bandwidth term
+    REQUIRE(shared > 6 * free_links);
+  }
+  SECTION("torus rows on one host keep their traffic off the NIC; columns share it") {
+    // 4 ranks per host = one torus row per host (4x4): the row rings are local, the column rings
+    // send four flows through each NIC at once.
+    cl.ranks_per_host = 4;
+    cl.local = {1e-6, 10e9};
+    sim::simulator s(cl, c);
+    const double t = s.all_reduce(topology::torus2d{4, 4}, 16, n).time_s;
+    const double one_per_nic = full_run(gigabit(), c, 16, n, true);
+    REQUIRE(t > one_per_nic);
+  }
+}
+
+TEST_CASE("predicted time is monotone in size, group and bandwidth", "[sim]") {
+  sim::codec_model c = sim::codec_by_name("bf16");
+  c.rates = some_gamma();
+  sim::cluster cl = gigabit();
+  sim::simulator s(cl, c);
+  double prev = 0;
+  for (std::size_t n : {1u << 14, 1u << 18, 1u << 22, 1u << 24}) {
+    const double t = s.all_reduce(topology::ring{}, 16, n).time_s;
+    REQUIRE(t > prev);
+    prev = t;
+  }
+  prev = 0;
+  for (int size : {2, 4, 16, 64, 256, 1024, 4096}) {
+    const double t = s.all_reduce(topology::ring{}, size, std::size_t{1} << 24).time_s;
+    REQUIRE(t > prev);
+    prev = t;
+  }
+  sim::cluster fast = cl;
+  fast.nic.bandwidth_Bps *= 10;
+  sim::simulator sf(fast, c);
+  REQUIRE(sf.all_reduce(topology::ring{}, 16, 1u << 22).time_s < s.all_reduce(topology::ring{}, 16, 1u << 22).time_s);
+}
+
+TEST_CASE("with send-ahead the torus's fewer steps beat the ring at scale", "[sim]") {
+  sim::cluster cl = gigabit();
+  cl.send_ahead = true;
+  sim::codec_model c = sim::codec_by_name("fp32");
+  sim::simulator s(cl, c);
+  const std::size_t n = std::size_t{1} << 24;
+  const double ring = s.all_reduce(topology::ring{}, 1024, n).time_s;
+  const double torus = s.all_reduce(topology::torus2d{}, 1024, n).time_s;
+  // 2046 against 124 latencies of 30 us
+  REQUIRE(ring - torus == Approx((2046 - 124) * 30e-6).epsilon(1e-6));
+}
+
+TEST_CASE("the fit recovers known alpha and beta", "[sim]") {
+  const sim::link_params truth{47e-6, 117e6};
+  sim::cluster cl;
+  cl.nic = truth;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> noise(-0.02, 0.02);
+  std::vector<sim::sample> xs;
+  for (const char* name : {"fp32", "bf16", "dyntree8"})
+    for (int size : {2, 4, 8})
+      for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 20, std::size_t{1} << 26}) {
+        sim::codec_model c = sim::codec_by_name(name);
+        c.rates = some_gamma();
+        sim::json_object line{{"topology", size == 4 ? "torus2d" : "ring"}, {"codec", name},
+                              {"ranks", std::to_string(size)}, {"bytes", std::to_string(bytes)}};
+        auto t = sim::terms_of(line, c, cl.segment_bytes);
+        REQUIRE(t);
+        const double seconds = t->time(truth, c.rates) * (1 + noise(rng));
+        xs.push_back({t->messages, t->wire_bytes, t->compute_time(c.rates), seconds});
+      }
+  const sim::fit_result f = sim::fit_alpha_beta(xs);
+  REQUIRE(f.link.latency_s == Approx(truth.latency_s).epsilon(0.05));
+  REQUIRE(f.link.bandwidth_Bps == Approx(truth.bandwidth_Bps).epsilon(0.01));
+  REQUIRE(f.rms_relative_error < 0.02);
+}
+
+TEST_CASE("bench JSON lines parse", "[sim]") {
+  auto o = sim::parse_json_line(R"({"bench":"allreduce", "topology":"ring","codec":"bf16","ranks":4,"bytes":1048576,"time_us":123.5,"ok":true})");
+  REQUIRE(o);
+  REQUIRE((*o)["topology"] == "ring");
+  REQUIRE(std::stod((*o)["time_us"]) == 123.5);
+  REQUIRE((*o)["ok"] == "true");
+  REQUIRE_FALSE(sim::parse_json_line("not json"));
+  REQUIRE_FALSE(sim::parse_json_line(R"({"a":1,)"));
+}
+
+TEST_CASE("closed forms match the papers' formulas in the one-segment case", "[sim]") {
+  sim::codec_model c = sim::codec_by_name("fp32");
+  const sim::link_params l{10e-6, 1e9};
+  const std::size_t n = 1 << 16;  // 256 KiB, below a segment
+  const double s = n * 4.0;
+  auto t = sim::ring_terms(8, n, c, 1 << 20, false);
+  REQUIRE(t.time(l, {}) == Approx(2 * 7 * l.latency_s + 2.0 * 7 / 8 * s * l.beta()));
+  t = sim::torus2d_terms(2, 4, n, c, 1 << 20, false, true);
+  REQUIRE(t.time(l, {}) == Approx(2 * (2 + 4 - 2) * l.latency_s + 2.0 * 7 / 8 * s * l.beta()));
+  t = sim::halving_doubling_terms(8, n, c, 1 << 20, false, true);
+  REQUIRE(t.time(l, {}) == Approx(2 * 3 * l.latency_s + 2.0 * 7 / 8 * s * l.beta()));
+  REQUIRE(sim::data_parallel_speedup(96, 1.0, 0.0) == Approx(96));
+  REQUIRE(sim::data_parallel_speedup(96, 1.0, 1.0) == Approx(48));
+}
