@@ -1,0 +1,187 @@
+// Gradients of every layer of the sample CNN (samples/fashion_cnn/layers_cpu.hpp) against central
+// finite differences, and of the whole model's parameters.
+//
+// Each check takes a scalar L = sum(out * r) with a fixed random r, so dL/dout = r, and compares
+// the analytic gradient with (L(x + h e_i) - L(x - h e_i)) / 2h at random coordinates, summing L in
+// double. Kinks (ReLU, max) make a few coordinates unreliable at any h; inputs are drawn so that
+// ties and zero crossings are unlikely, and a coordinate within h of a kink is skipped.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "../samples/fashion_cnn/model.hpp"
+
+using namespace fashion;
+
+namespace {
+
+std::vector<float> randn(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
+  return s;
+}
+
+// Compares grad[i] with the central difference of f around x[i] at `samples` coordinates.
+void check_gradient(std::vector<float>& x, const std::vector<float>& grad, const std::function<double()>& f,
+                    int samples, float h, std::uint32_t seed, double tol = 2e-2) {
+  std::mt19937 g(seed);
+  std::uniform_int_distribution<std::size_t> pick(0, x.size() - 1);
+  int checked = 0;
+  double scale = 0;
+  for (float v : grad) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+  for (int s = 0; s < samples; ++s) {
+    const std::size_t i = pick(g);
+    const float x0 = x[i];
+    x[i] = x0 + h;
+    const double lp = f();
+    x[i] = x0 - h;
+    const double lm = f();
+    x[i] = x0;
+    const double l0 = f();
+    // A kink inside [x-h, x+h] shows as curvature far above the smooth part's.
+    if (std::fabs(lp - 2 * l0 + lm) > 1e-3 * std::max(1.0, std::fabs(l0))) continue;
+    const double fd = (lp - lm) / (2.0 * h);
+    INFO("coordinate " << i << ": analytic " << grad[i] << " finite difference " << fd);
+    CHECK(std::fabs(fd - grad[i]) <= tol * std::max(scale, 1e-3) + tol * std::fabs(fd));
+    ++checked;
+  }
+  REQUIRE(checked >= samples / 2);
+}
+
+}  // namespace
+
+TEST_CASE("conv3x3 gradients match finite differences", "[fashion][layers]") {
+  const int B = 2, C = 3, H = 5, W = 6, K = 4;
+  auto x = randn(static_cast<std::size_t>(B) * C * H * W, 1);
+  auto w = randn(static_cast<std::size_t>(K) * C * 9, 2, 0.3f);
+  auto r = randn(static_cast<std::size_t>(B) * K * H * W, 3);
+  std::vector<float> out(r.size()), dx(x.size()), dw(w.size());
+  auto loss = [&] {
+    conv_forward(out.data(), x.data(), w.data(), B, C, H, W, K);
+    return dot(out, r);
+  };
+  loss();
+  conv_backward(dx.data(), dw.data(), r.data(), x.data(), w.data(), B, C, H, W, K);
+  check_gradient(x, dx, loss, 40, 1e-2f, 4);
+  check_gradient(w, dw, loss, 40, 1e-2f, 5);
+}
+
+TEST_CASE("maxpool2x2 gradients match finite differences, odd sizes included", "[fashion][layers]") {
+  const int B = 2, C = 3, H = 7, W = 6;
+  auto x = randn(static_cast<std::size_t>(B) * C * H * W, 6);
+  auto r = randn(static_cast<std::size_t>(B) * C * pooled(H) * pooled(W), 7);
+  std::vector<float> out(r.size()), dx(x.size());
+  std::vector<std::uint8_t> ws(maxpool_workspace_bytes(B, C, H, W));
+  auto loss = [&] {
+    maxpool_forward(out.data(), ws.data(), x.data(), B, C, H, W);
+    return dot(out, r);
+  };
+  loss();
+  maxpool_backward(dx.data(), r.data(), ws.data(), B, C, H, W);
+  check_gradient(x, dx, loss, 60, 1e-3f, 8);
+  // The last row of a 7-high input pools alone: its maxima must reach the output.
+  double last_row = 0;
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < W; ++j) last_row += std::fabs(dx[((b * C + c) * H + H - 1) * W + j]);
+  CHECK(last_row > 0);
+}
+
+TEST_CASE("linear gradients match finite differences", "[fashion][layers]") {
+  const int B = 3, F = 20, NC = 5;
+  auto x = randn(static_cast<std::size_t>(B) * F, 9);
+  auto w = randn(static_cast<std::size_t>(NC) * F, 10, 0.3f);
+  auto b = randn(static_cast<std::size_t>(NC), 11);
+  auto r = randn(static_cast<std::size_t>(B) * NC, 12);
+  std::vector<float> out(r.size()), dx(x.size()), dw(w.size()), db(b.size());
+  auto loss = [&] {
+    linear_forward(out.data(), x.data(), w.data(), b.data(), B, F, NC);
+    return dot(out, r);
+  };
+  loss();
+  linear_backward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), B, F, NC);
+  check_gradient(x, dx, loss, 30, 1e-2f, 13);
+  check_gradient(w, dw, loss, 30, 1e-2f, 14);
+  check_gradient(b, db, loss, 5, 1e-2f, 15);
+}
+
+TEST_CASE("batchnorm+relu gradients match finite differences (local group)", "[fashion][layers]") {
+  const int B = 4, K = 3, HW = 10;
+  auto x = randn(static_cast<std::size_t>(B) * K * HW, 16, 2.0f);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] += static_cast<float>(i % K);  // channels differ in mean
+  auto gamma = randn(K, 17, 0.5f), beta = randn(K, 18, 0.5f);
+  for (auto& g : gamma) g += 1.0f;
+  auto r = randn(x.size(), 19);
+  std::vector<float> out(x.size()), dx(x.size()), dg(K), db(K), mean(K), rstd(K), rm(K, 0.0f), rv(K, 1.0f);
+  float count = 0;
+  const bn_group local;
+  auto loss = [&] {
+    batchnorm_relu_forward(out.data(), mean.data(), rstd.data(), &count, rm.data(), rv.data(), x.data(),
+                           gamma.data(), beta.data(), B, K, HW, local, true);
+    return dot(out, r);
+  };
+  loss();
+  batchnorm_relu_backward(dx.data(), dg.data(), db.data(), r.data(), x.data(), mean.data(), rstd.data(), count,
+                          gamma.data(), beta.data(), B, K, HW, local);
+  check_gradient(x, dx, loss, 60, 1e-2f, 20);
+  check_gradient(gamma, dg, loss, K, 1e-2f, 21);
+  check_gradient(beta, db, loss, K, 1e-2f, 22);
+}
+
+TEST_CASE("softmax cross-entropy with label smoothing: gradient and value", "[fashion][layers]") {
+  const int B = 4, NC = 10;
+  auto z = randn(static_cast<std::size_t>(B) * NC, 23, 2.0f);
+  std::vector<int> y{0, 3, 9, 3};
+  std::vector<float> p(z.size()), dz(z.size());
+  for (float smoothing : {0.0f, 0.1f}) {
+    auto loss = [&] { return static_cast<double>(softmax_xent_forward(p.data(), nullptr, z.data(), y.data(), B, NC, smoothing)); };
+    loss();
+    softmax_xent_backward(dz.data(), p.data(), y.data(), B, NC, smoothing);
+    check_gradient(z, dz, loss, 30, 1e-2f, 24, 1e-2);
+  }
+  // Uniform logits: the loss is log(NC) whatever the smoothing.
+  std::vector<float> zero(z.size(), 0.0f);
+  CHECK(softmax_xent_forward(p.data(), nullptr, zero.data(), y.data(), B, NC, 0.1f) == Approx(std::log(10.0)).epsilon(1e-6));
+}
+
+TEST_CASE("the whole model's parameter gradients match finite differences", "[fashion][model]") {
+  config cfg;
+  cfg.channels = {4, 6, 8};
+  cfg.label_smoothing = 0.1f;
+  model m = model_create(cfg, 7);
+  const int B = 3;
+  auto images = randn(static_cast<std::size_t>(B) * 28 * 28, 25);
+  std::vector<int> labels{1, 4, 7};
+  const bn_group local;
+  auto loss = [&] { return static_cast<double>(model_forward(m, images.data(), labels.data(), B, local, true)); };
+  loss();
+  std::vector<int> order;
+  model_backward(m, local, [&](int b) { order.push_back(b); });
+  CHECK(order == std::vector<int>{3, 2, 1, 0});
+  const std::vector<float> grads = m.grads;
+  // Per tensor, so that small tensors (the biases, the first convolution) are sampled too.
+  for (const auto& t : m.L.tensors) {
+    INFO("tensor " << t.name);
+    std::vector<float> p(m.params.begin() + static_cast<std::ptrdiff_t>(t.offset),
+                         m.params.begin() + static_cast<std::ptrdiff_t>(t.offset + t.size));
+    std::vector<float> g(grads.begin() + static_cast<std::ptrdiff_t>(t.offset),
+                         grads.begin() + static_cast<std::ptrdiff_t>(t.offset + t.size));
+    auto f = [&] {
+      std::copy(p.begin(), p.end(), m.params.begin() + static_cast<std::ptrdiff_t>(t.offset));
+      return loss();
+    };
+    check_gradient(p, g, f, 8, 1e-3f, 26, 3e-2);
+    std::copy(p.begin(), p.end(), m.params.begin() + static_cast<std::ptrdiff_t>(t.offset));
+  }
+}
