@@ -1,0 +1,135 @@
+// lockstep/transport/nccl.hpp: NCCL as a stream-ordered point-to-point transport.
+//
+// NCCL's own all-reduce cannot compress, so lockstep uses only ncclSend and ncclRecv, posted in
+// groups on the endpoint's stream, and runs its own topologies and codecs over them
+// (device/collectives.hpp). Every call enqueues and returns; wait() has nothing left to do,
+// because the stream already orders later work after the group. NCCL matches a pair's messages in
+// posting order, so tags are not needed on the wire (the executor still passes them).
+//
+// What NCCL does not give: a timeout on a peer that never posts (the stream just does not move;
+// device::request::wait enforces the group's timeout and then aborts the communicator), and message
+// sizes checked between ranks (a mismatch is NCCL's undefined behaviour, not errc::mismatch).
+//
+//   auto comms = transport::nccl::communicator::init_all({0});          // one rank per listed GPU
+//   device::stream s;
+//   device::group<transport::nccl> g(transport::nccl(comms[0], s.get()));
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/error.hpp"
+#include "../device/runtime.hpp"
+#include "../device/transport.hpp"
+#include "concept.hpp"
+
+namespace lockstep::transport {
+
+class nccl {
+ public:
+  // Throws errc::transport naming the NCCL call and NCCL's own explanation.
+  static void check(ncclResult_t r, const char* what, int rank = -1, int peer = -1, ncclComm_t comm = nullptr) {
+    if (r == ncclSuccess || r == ncclInProgress) return;
+    std::string detail = ncclGetErrorString(r);
+    if (comm) {
+      const char* last = ncclGetLastError(comm);
+      if (last && *last) detail += std::string(": ") + last;
+    }
+    throw error(errc::transport, what, rank, peer, detail);
+  }
+
+  // A shared, owning handle of an ncclComm_t: destroyed when the last endpoint using it goes.
+  class communicator {
+   public:
+    communicator() = default;
+    explicit communicator(ncclComm_t c) : s_(std::make_shared<state>(c)) {}
+    ncclComm_t get() const noexcept { return s_ && !s_->aborted ? s_->comm : nullptr; }
+    // ncclCommAbort instead of the destroy: frees the communicator and unblocks its pending work.
+    void abort() {
+      if (s_ && !s_->aborted) {
+        s_->aborted = true;
+        ncclCommAbort(s_->comm);
+      }
+    }
+
+    // One communicator per listed device, all in this process (ncclCommInitAll). NCCL needs
+    // distinct GPUs per rank, so several ranks on one GPU are inproc_device's job, not NCCL's.
+    static std::vector<communicator> init_all(const std::vector<int>& devices) {
+      std::vector<ncclComm_t> raw(devices.size());
+      check(ncclCommInitAll(raw.data(), static_cast<int>(devices.size()), devices.data()), "ncclCommInitAll");
+      std::vector<communicator> out;
+      for (ncclComm_t c : raw) out.emplace_back(c);
+      return out;
+    }
+    // Rank `rank` of `size` across processes; `id` comes from ncclGetUniqueId on rank 0 and is
+    // shipped to the others by whatever launcher the program has (MPI, a file).
+    static communicator init_rank(int size, ncclUniqueId id, int rank) {
+      ncclComm_t c = nullptr;
+      check(ncclCommInitRank(&c, size, id, rank), "ncclCommInitRank", rank);
+      return communicator(c);
+    }
+
+   private:
+    struct state {
+      explicit state(ncclComm_t c) : comm(c) {}
+      ~state() {
+        if (comm && !aborted) ncclCommDestroy(comm);
+      }
+      ncclComm_t comm;
+      bool aborted = false;
+    };
+    std::shared_ptr<state> s_;
+  };
+
+  // Nothing travels with a request: the stream holds the order.
+  struct request {};
+
+  nccl() = default;
+  nccl(communicator comm, cudaStream_t stream) : comm_(std::move(comm)), stream_(stream) {
+    check(ncclCommUserRank(comm_.get(), &rank_), "ncclCommUserRank", -1, -1, comm_.get());
+    check(ncclCommCount(comm_.get(), &size_), "ncclCommCount", rank_, -1, comm_.get());
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  std::string name() const { return "nccl"; }
+  cudaStream_t stream() const noexcept { return stream_; }
+  ncclComm_t comm() const noexcept { return comm_.get(); }
+
+  void group_begin() { check(ncclGroupStart(), "ncclGroupStart", rank_); }
+  void group_end() { check(ncclGroupEnd(), "ncclGroupEnd", rank_, -1, comm_.get()); }
+
+  request isend(int peer, std::uint32_t, const void* data, std::size_t bytes) {
+    check_peer(peer, "send");
+    check(ncclSend(data, bytes, ncclUint8, peer, comm_.get(), stream_), "ncclSend", rank_, peer, comm_.get());
+    return {};
+  }
+  request irecv(int peer, std::uint32_t, void* data, std::size_t bytes) {
+    check_peer(peer, "recv");
+    check(ncclRecv(data, bytes, ncclUint8, peer, comm_.get(), stream_), "ncclRecv", rank_, peer, comm_.get());
+    return {};
+  }
+  bool wait(request&, clock::time_point) { return true; }
+
+  // Unblocks everything pending on the communicator; it cannot be used afterwards.
+  void abort(const std::string&) { comm_.abort(); }
+
+ private:
+  void check_peer(int peer, const char* op) const {
+    if (!comm_.get()) throw error(errc::invalid_argument, op, rank_, peer, "endpoint without a communicator (aborted?)");
+    if (peer < 0 || peer >= size_)
+      throw error(errc::invalid_argument, op, rank_, peer, "peer out of range for a group of " + std::to_string(size_));
+  }
+
+  communicator comm_;
+  cudaStream_t stream_ = nullptr;
+  int rank_ = 0, size_ = 0;
+};
+
+static_assert(device::stream_transport<nccl>);
+
+}  // namespace lockstep::transport
