@@ -1,0 +1,192 @@
+// lockstep/device/optim.hpp: multi-tensor optimizer steps on device buffers, with per-tensor norms,
+// stream ordered.
+//
+//   device::param_table table(params, stream);                 // once: the param_set on the device
+//   device::update_async(opt, table, {.lr = lr}, w, g, v, stream, w_bf16);
+//
+// Three kernels, none of which waits for the host (the norms never leave the device):
+//   sums          one CUDA block per param_set block (policy.block elements of one tensor): the
+//                 fp64 sums of squares the optimizer asks for (o.sums), as the host's sweep takes
+//                 them: Σw², Σg²·s², Σ(s·g + β·w)². Skipped when no tensor needs a norm (SGD).
+//   coefficients  one thread per tensor: adds the tensor's block sums in block order and calls
+//                 o.coefficients(ctx, sums, exempt), the host's own function, on the device.
+//   update        one CUDA block per param_set block: O::update(k, w, g, v) per element (the
+//                 element math of optim/), and the bf16 copy of w (codec::bf16_from_bits).
+// A block's sum is taken over the same elements on every rank, so every rank gets the same norms
+// and the same weights. Within a block the device adds in a tree, the host in eight lanes: device
+// and host norms agree to fp64 rounding, not bit for bit; the update itself is the same function.
+//
+// The optimizer's `coefficients` must be callable on the device: constexpr (with nvcc's
+// --expt-relaxed-constexpr) or marked LOCKSTEP_HD.
+#pragma once
+
+#include "config.hpp"
+#include "reduce.hpp"
+
+#include <cstdint>
+#include <vector>
+
+#include "../codec/bf16.hpp"
+#include "../optim/concept.hpp"
+#include "../optim/param_set.hpp"
+
+namespace lockstep::device {
+
+struct optim_policy {
+  static constexpr int block_threads = 256;  // a param_set block of 4096 values: 16 per thread
+};
+
+// The param_set's tensors and blocks in device memory.  // (tensor), (block)
+class param_table {
+ public:
+  struct tensor {
+    std::size_t offset, size;
+    std::uint32_t first_block, blocks;
+    bool exempt;
+  };
+  struct block {
+    std::size_t lo, hi;  // buffer elements
+    std::uint32_t tensor;
+  };
+
+  param_table(const optim::param_set& ps, cudaStream_t s) : ps_(&ps) {
+    std::vector<tensor> ts;
+    std::vector<block> bs;
+    for (std::size_t t = 0; t < ps.tensor_count(); ++t) {
+      ts.push_back({ps[t].offset, ps[t].size, static_cast<std::uint32_t>(ps.first_block(t)),
+                    static_cast<std::uint32_t>(ps.block_count(t)), ps[t].exempt});
+      for (std::size_t b = 0; b < ps.block_count(t); ++b) {
+        const auto [lo, hi] = ps.block_range(t, b);
+        bs.push_back({lo, hi, static_cast<std::uint32_t>(t)});
+      }
+    }
+    tensors_ = buffer<tensor>(ts.size(), s);
+    blocks_ = buffer<block>(bs.size(), s);
+    sums_ = buffer<optim::tensor_sums>(bs.size(), s);
+    // Pageable copies are staged by the driver before cudaMemcpyAsync returns, so the vectors
+    // may go out of scope; this is set-up, done once per param_set.
+    check(cudaMemcpyAsync(tensors_.data(), ts.data(), ts.size() * sizeof(tensor), cudaMemcpyHostToDevice, s), "param_table");
+    check(cudaMemcpyAsync(blocks_.data(), bs.data(), bs.size() * sizeof(block), cudaMemcpyHostToDevice, s), "param_table");
+  }
+
+  const optim::param_set& params() const noexcept { return *ps_; }
+  std::size_t tensor_count() const noexcept { return tensors_.size(); }
+  std::size_t block_count() const noexcept { return blocks_.size(); }
+  const tensor* tensors() const noexcept { return tensors_.data(); }
+  const block* blocks() const noexcept { return blocks_.data(); }
+  optim::tensor_sums* sums() const noexcept { return sums_.data(); }
+
+  // Per-tensor coefficients of optimizer O, in device memory owned by the table.
+  template <class Coeffs>
+  Coeffs* coeffs(cudaStream_t s) {
+    const std::size_t bytes = tensor_count() * sizeof(Coeffs);
+    if (coeffs_.size() < bytes) coeffs_ = buffer<std::byte>(bytes, s);
+    return reinterpret_cast<Coeffs*>(coeffs_.data());
+  }
+
+ private:
+  const optim::param_set* ps_;
+  buffer<tensor> tensors_;
+  buffer<block> blocks_;
+  buffer<optim::tensor_sums> sums_;
+  buffer<std::byte> coeffs_;
+};
+
+namespace kernels {
+
+template <class O, int Threads>
+__global__ void __launch_bounds__(Threads)
+optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_table::block* __restrict__ blocks,
+           std::size_t nblocks, const float* __restrict__ w, const float* __restrict__ g, float grad_scale,
+           optim::tensor_sums* __restrict__ out) {
+  using sum = block_sum<Threads>;
+  __shared__ typename sum::storage red;
+  for (std::size_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
+    const param_table::block bk = blocks[b];
+    const optim::sum_request r = o.sums(tensors[bk.tensor].exempt);
+    double aw = 0.0, ag = 0.0, ad = 0.0;
+    if (r.any()) {
+      const double s = grad_scale, beta = r.decay;
+      for (std::size_t i = bk.lo + threadIdx.x; i < bk.hi; i += Threads) {
+        const double wi = w[i], gi = g[i];
+        aw += wi * wi;
+        ag += gi * gi;
+        const double d = s * gi + beta * wi;
+        ad += d * d;
+      }
+    }
+    // Uniform per block (r depends on the tensor only), so every thread reaches the reductions.
+    optim::tensor_sums t;
+    if (r.weights) t.w2 = sum::reduce(red, aw);
+    if (r.grads) t.g2 = sum::reduce(red, ag) * (double(grad_scale) * double(grad_scale));
+    if (r.decayed_grads) t.d2 = sum::reduce(red, ad);
+    if (threadIdx.x == 0) out[b] = t;
+  }
+}
+
+template <class O>
+__global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ tensors, std::size_t ntensors,
+                                   const optim::tensor_sums* __restrict__ sums, bool have_sums, optim::step_context ctx,
+                                   typename O::coeffs* __restrict__ out) {
+  for (std::size_t t = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; t < ntensors; t += std::size_t(gridDim.x) * blockDim.x) {
+    const param_table::tensor ts = tensors[t];
+    optim::tensor_sums s;
+    if (have_sums)
+      for (std::uint32_t b = ts.first_block; b < ts.first_block + ts.blocks; ++b) {
+        s.w2 += sums[b].w2;
+        s.g2 += sums[b].g2;
+        s.d2 += sums[b].d2;
+      }
+    out[t] = o.coefficients(ctx, s, ts.exempt);
+  }
+}
+
+template <class O, int Threads>
+__global__ void __launch_bounds__(Threads)
+optim_update(const param_table::block* __restrict__ blocks, std::size_t nblocks,
+             const typename O::coeffs* __restrict__ coeffs, float* __restrict__ w, const float* __restrict__ g,
+             float* __restrict__ v, std::uint16_t* __restrict__ bf) {
+  for (std::size_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
+    const param_table::block bk = blocks[b];
+    const typename O::coeffs k = coeffs[bk.tensor];
+#pragma unroll 4
+    for (std::size_t i = bk.lo + threadIdx.x; i < bk.hi; i += Threads) {
+      float wi = w[i], vi = v ? v[i] : 0.0f;
+      O::update(k, wi, g[i], vi);
+      w[i] = wi;
+      if (v) v[i] = vi;
+      if (bf) bf[i] = codec::bf16_from_bits(__float_as_uint(wi));
+    }
+  }
+}
+
+}  // namespace kernels
+
+// One optimizer step over every tensor of the table's param_set: w, g, v (momentum; may be null
+// when !o.uses_momentum()) and the optional bf16 copy of w are device buffers of params().size()
+// elements. Enqueued on `s`; returns at once.
+template <optim::optimizer O>
+void update_async(const O& o, param_table& table, optim::step_context ctx, float* w, const float* g, float* v,
+                  cudaStream_t s, std::uint16_t* w_bf16 = nullptr) {
+  using P = optim_policy;
+  const auto& ps = table.params();
+  if (o.uses_momentum() && !v)
+    throw error(errc::invalid_argument, std::string(O::name()) + " update", -1, -1, "the optimizer uses momentum but no buffer was given");
+  bool any_sums = false;
+  for (std::size_t t = 0; t < ps.tensor_count() && !any_sums; ++t) any_sums = o.sums(ps[t].exempt).any();
+  const std::size_t nb = table.block_count(), nt = table.tensor_count();
+  if (!nt) return;
+  if (any_sums) {
+    kernels::optim_sums<O, P::block_threads><<<grid_for(nb, 8), P::block_threads, 0, s>>>(o, table.tensors(), table.blocks(), nb, w, g,
+                                                                                          ctx.grad_scale, table.sums());
+    check_launch("optimizer sums");
+  }
+  auto* k = table.coeffs<typename O::coeffs>(s);
+  kernels::optim_coefficients<O><<<static_cast<unsigned>((nt + 127) / 128), 128, 0, s>>>(o, table.tensors(), nt, table.sums(), any_sums, ctx, k);
+  check_launch("optimizer coefficients");
+  kernels::optim_update<O, P::block_threads><<<grid_for(nb, 8), P::block_threads, 0, s>>>(table.blocks(), nb, k, w, g,
+                                                                                         o.uses_momentum() ? v : nullptr, w_bf16);
+  check_launch("optimizer update");
+}
+
+}  // namespace lockstep::device

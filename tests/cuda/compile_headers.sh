@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Compiles every public header on its own, once with the host compiler and once with nvcc, so that
+# no header leans on an include it does not make itself, and every header works in a .cu file.
+#
+#   compile_headers.sh INCLUDE_DIR CXX NVCC [NVCC_ARCH]
+#
+# Headers that define kernels (they include lockstep/device/config.hpp) must not compile under the
+# host compiler: there they must stop with lockstep's own "compile it with nvcc" sentence, which
+# this script checks. transport/mpi.hpp is compiled with the flags `mpicxx --showme:compile` prints
+# (skipped under a compiler when that fails). Exit 0 when everything behaved, 1 otherwise.
+set -u
+inc=$1 cxx=$2 nvcc=$3 arch=${4:-80}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cuda_inc=$(dirname "$(dirname "$(command -v "$nvcc")")")/include
+mpi_flags=$(mpicxx --showme:compile 2>/dev/null || true)
+fail=0 count=0
+
+cd "$inc" || exit 1
+for h in $(find lockstep -name '*.hpp' | sort); do
+  count=$((count + 1))
+  extra=""
+  case $h in lockstep/transport/mpi.hpp) [ -n "$mpi_flags" ] || { echo "skip  $h (no mpicxx)"; continue; }; extra=$mpi_flags ;; esac
+  printf '#include <%s>\n#include <%s>\n' "$h" "$h" > "$work/one.cpp"   # twice: include guards work
+  cp "$work/one.cpp" "$work/one.cu"
+
+  if out=$("$cxx" -std=c++20 -fsyntax-only -Wall -Wextra -I"$inc" -I"$cuda_inc" $extra "$work/one.cpp" 2>&1); then
+    echo "ok    g++   $h"
+  elif grep -q "compile it with nvcc" <<<"$out"; then
+    echo "ok    g++   $h (refuses: needs nvcc, as it should)"
+  else
+    echo "FAIL  g++   $h"; echo "$out" | head -20; fail=1
+  fi
+
+  if out=$("$nvcc" -std=c++20 --expt-relaxed-constexpr -arch=sm_$arch -I"$inc" $extra -c "$work/one.cu" -o "$work/one.o" 2>&1); then
+    echo "ok    nvcc  $h"
+  else
+    echo "FAIL  nvcc  $h"; echo "$out" | head -20; fail=1
+  fi
+done
+echo "$count headers checked"
+exit $fail
