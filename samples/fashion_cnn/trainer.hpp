@@ -1,0 +1,429 @@
+// samples/fashion_cnn/trainer.hpp: synchronous data-parallel training of the Fashion-MNIST CNN
+// over lockstep: what lockstep-train-fashion runs, kept in a header so the tests can run it too.
+//
+// Purpose: show the library doing the work of a real trainer. Each replica (a thread, or an MPI
+// process) runs the same loop:
+//   batch <- its shard of the step's global batch (pipeline.hpp, prepared in the background)
+//   forward, batch-norm statistics over its group of G replicas (a group made by split)
+//   backward; each bucket of gradients (one per block) starts its all_reduce_async the moment it
+//   is written, so the classifier's gradients travel while the convolutions' are computed
+//   wait for the buckets; optim::update (SGD or LARS) with the warmup + polynomial-decay rate
+// and after every epoch averages the batch-norm running statistics over all replicas, measures
+// test accuracy (each replica a slice of the test set), and rank 0 writes the CSV row, the
+// checkpoint (atomically) and the plot.
+// Limits: one process holds the whole data set (each replica thread shares it); checkpoints are
+// taken at epoch ends only; --resume with --error-feedback restarts the residuals at zero (the codec
+// does not expose them for saving), so that one combination is not bit-for-bit.
+#pragma once
+
+#include <omp.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/optim/lars.hpp>
+#include <lockstep/optim/param_set.hpp>
+#include <lockstep/optim/schedule.hpp>
+#include <lockstep/optim/sgd.hpp>
+#include <lockstep/optim/state.hpp>
+#include <lockstep/optim/update.hpp>
+
+#include "../common/pipeline.hpp"
+#include "model.hpp"
+
+namespace fashion {
+
+// Every flag of lockstep-train-fashion (see usage() in train_fashion.cpp for their meaning).
+struct options {
+  std::string data = sample::default_fashion_mnist_dir;
+  std::string out = "fashion-out";
+  int epochs = 4;
+  int batch = 256;  // global: ranks x per-replica batch
+  int ranks = 1;
+  int threads = 0;  // oneDNN threads per replica; 0: hardware threads / replicas
+  std::string topology = "ring";  // ring | torus2d | torus2d:RxC
+  std::string codec = "fp32";     // fp32 | bf16 | int8 | dyntree8
+  std::size_t codec_block = 256;
+  bool error_feedback = false;
+  std::string optimizer = "sgd";  // sgd | lars
+  double lr = 0.1;
+  double warmup_epochs = 0.5;
+  double end_lr = 1e-4;
+  double power = 2.0;
+  float momentum = 0.9f;
+  float weight_decay = 5e-4f;
+  float lars_trust = 0.001f;
+  float label_smoothing = 0.1f;
+  int bn_group = 1;
+  std::array<int, nblocks> channels{32, 64, 128};
+  std::uint64_t seed = 1;
+  bool augment = true;
+  bool resume = false;
+  int train_limit = 0;  // use only the first N training / test images (0: all)
+  int test_limit = 0;
+  int print_every = 20;
+  int stop_after = 0;   // end this invocation after N epochs, as if interrupted (0: run to --epochs)
+  bool quiet = false;   // no progress lines, no plot (tests)
+};
+
+// What a run measured; rank 0's view, filled in at each epoch end.
+struct epoch_record {
+  int epoch;
+  long long step;
+  double seconds, images_per_s, lr, train_loss, test_loss, test_acc;
+};
+struct run_result {
+  std::vector<epoch_record> epochs;
+  std::string checkpoint, csv, plot;
+};
+
+// ----------------------------------------------------------------------------------------------
+// Checkpoints: one binary file, written to "<file>.tmp" and renamed over the old one, so a crash
+// leaves either the previous checkpoint or the new one, never half of one.
+//
+//   "LSCKPT01" | u32 header words: epochs_done, global_step_lo, global_step_hi, params, running,
+//   momentum, channels[3] | u64 seed, options fingerprint | f32 params | f32 running | f32 momentum
+
+inline std::uint64_t options_fingerprint(const options& o) {
+  // The flags that change what a step computes; resuming under other values is refused.
+  std::ostringstream s;
+  s << o.batch << ' ' << o.ranks << ' ' << o.topology << ' ' << o.codec << ' ' << o.codec_block << ' '
+    << o.error_feedback << ' ' << o.optimizer << ' ' << o.lr << ' ' << o.warmup_epochs << ' ' << o.end_lr << ' '
+    << o.power << ' ' << o.momentum << ' ' << o.weight_decay << ' ' << o.lars_trust << ' ' << o.label_smoothing
+    << ' ' << o.bn_group << ' ' << o.augment << ' ' << o.train_limit << ' ' << o.epochs;
+  std::uint64_t h = 1469598103934665603ull;
+  for (char c : s.str()) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+struct checkpoint {
+  int epochs_done = 0;
+  long long global_step = 0;
+  std::vector<float> params, running, momentum;
+};
+
+inline void save_checkpoint(const std::string& path, const options& o, const checkpoint& c) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) throw std::runtime_error(tmp + ": cannot create the checkpoint file");
+    f.write("LSCKPT01", 8);
+    const std::uint32_t head[9] = {static_cast<std::uint32_t>(c.epochs_done),
+                                   static_cast<std::uint32_t>(c.global_step & 0xFFFFFFFF),
+                                   static_cast<std::uint32_t>(c.global_step >> 32),
+                                   static_cast<std::uint32_t>(c.params.size()),
+                                   static_cast<std::uint32_t>(c.running.size()),
+                                   static_cast<std::uint32_t>(c.momentum.size()),
+                                   static_cast<std::uint32_t>(o.channels[0]),
+                                   static_cast<std::uint32_t>(o.channels[1]),
+                                   static_cast<std::uint32_t>(o.channels[2])};
+    const std::uint64_t ids[2] = {o.seed, options_fingerprint(o)};
+    f.write(reinterpret_cast<const char*>(head), sizeof head);
+    f.write(reinterpret_cast<const char*>(ids), sizeof ids);
+    for (const auto* v : {&c.params, &c.running, &c.momentum})
+      f.write(reinterpret_cast<const char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
+    f.flush();
+    if (!f) throw std::runtime_error(tmp + ": write failed (disk full?)");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+inline checkpoint load_checkpoint(const std::string& path, const options& o) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error(path + ": no checkpoint to resume from");
+  char magic[8];
+  std::uint32_t head[9];
+  std::uint64_t ids[2];
+  f.read(magic, 8);
+  f.read(reinterpret_cast<char*>(head), sizeof head);
+  f.read(reinterpret_cast<char*>(ids), sizeof ids);
+  if (!f || std::memcmp(magic, "LSCKPT01", 8) != 0) throw std::runtime_error(path + ": not a lockstep checkpoint");
+  if (head[6] != static_cast<std::uint32_t>(o.channels[0]) || head[7] != static_cast<std::uint32_t>(o.channels[1]) ||
+      head[8] != static_cast<std::uint32_t>(o.channels[2]))
+    throw std::runtime_error(path + ": written for other --channels");
+  if (ids[0] != o.seed || ids[1] != options_fingerprint(o))
+    throw std::runtime_error(path + ": written with other training flags (seed, batch, ranks, codec, optimizer, "
+                                    "schedule, epochs ...); resume with the flags of the original run");
+  checkpoint c;
+  c.epochs_done = static_cast<int>(head[0]);
+  c.global_step = static_cast<long long>(head[1]) | (static_cast<long long>(head[2]) << 32);
+  c.params.resize(head[3]);
+  c.running.resize(head[4]);
+  c.momentum.resize(head[5]);
+  for (auto* v : {&c.params, &c.running, &c.momentum})
+    f.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
+  if (!f) throw std::runtime_error(path + ": truncated checkpoint");
+  return c;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Metrics: a CSV row per epoch and a gnuplot script that draws loss and accuracy from it.
+
+inline void write_plot(const std::string& dir, bool run_gnuplot) {
+  const std::string gp = dir + "/metrics.gp";
+  std::ofstream f(gp);
+  f << "set terminal pngcairo size 1000,420\n"
+       "set output '" << dir << "/metrics.png'\n"
+       "set datafile separator ','\n"
+       "set key autotitle columnhead\n"
+       "set multiplot layout 1,2\n"
+       "set title 'loss'; set xlabel 'epoch'; set grid\n"
+       "plot '" << dir << "/metrics.csv' using 1:6 with linespoints title 'train', '' using 1:7 with linespoints title 'test'\n"
+       "set title 'test accuracy (%)'; set xlabel 'epoch'\n"
+       "plot '" << dir << "/metrics.csv' using 1:(100*$8) with linespoints title 'test'\n"
+       "unset multiplot\n";
+  f.close();
+  if (run_gnuplot) {
+    const std::string cmd = "gnuplot '" + gp + "' 2>/dev/null";
+    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "note: gnuplot failed; the CSV is still in %s\n", dir.c_str());
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// One replica's training loop, for any group type, topology, codec and optimizer.
+
+struct shared_data {
+  sample::image_set train, test;
+};
+
+template <class Group, class Topo, class Codec, class Opt>
+void train_replica(Group& world, const options& o, const shared_data& data, Topo topo, Codec& codec, Opt opt,
+                   run_result& result) {
+  const int rank = world.rank(), R = world.size(), B = o.batch / R;
+  const bool leader = rank == 0;
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  omp_set_num_threads(o.threads > 0 ? o.threads : std::max(1, hw / R));
+
+  // Batch-norm groups: consecutive ranks, G at a time.
+  Group bn = world.split(rank / o.bn_group, rank);
+  bn_group bng;
+  bng.size = bn.size();
+  bng.all_gather = [&](std::span<const float> mine, std::span<float> all) {
+    lockstep::codec::fp32 c32;
+    lockstep::all_gather(bn, mine, all, lockstep::topology::ring{}, c32);
+  };
+  bng.sum = [&](std::span<float> v) { lockstep::all_reduce(bn, v); };
+
+  config cfg;
+  cfg.channels = o.channels;
+  cfg.label_smoothing = o.label_smoothing;
+  model m = model_create(cfg, o.seed);
+
+  std::vector<lockstep::optim::tensor_desc> tensors;
+  for (const auto& t : m.L.tensors) tensors.push_back({t.offset, t.size, t.plain});
+  const lockstep::optim::param_set ps(tensors);
+  lockstep::optim::state st(ps, opt);
+
+  const int steps_per_epoch = data.train.n / o.batch;  // the last incomplete global batch is dropped
+  const long long total_steps = static_cast<long long>(steps_per_epoch) * o.epochs;
+  const lockstep::optim::warmup_poly schedule{o.lr, o.warmup_epochs * steps_per_epoch,
+                                              static_cast<double>(total_steps), o.end_lr, o.power};
+
+  const std::string ckpt_path = o.out + "/checkpoint.bin", csv_path = o.out + "/metrics.csv";
+  int first_epoch = 0;
+  long long step = 0;
+  if (o.resume) {
+    checkpoint c = load_checkpoint(ckpt_path, o);
+    if (c.params.size() != m.params.size() || c.running.size() != m.running.size() ||
+        c.momentum.size() != st.momentum().size())
+      throw std::runtime_error(ckpt_path + ": sizes do not match this model and optimizer");
+    m.params = c.params;
+    m.running = c.running;
+    std::copy(c.momentum.begin(), c.momentum.end(), st.momentum().begin());
+    first_epoch = c.epochs_done;
+    step = c.global_step;
+    if (leader && !o.quiet) std::printf("resuming %s after epoch %d (step %lld)\n", ckpt_path.c_str(), first_epoch, step);
+  } else if (leader) {
+    std::ofstream(csv_path) << "epoch,step,images,seconds,lr,train_loss,test_loss,test_acc,images_per_s\n";
+  }
+  if (leader) result.checkpoint = ckpt_path, result.csv = csv_path, result.plot = o.out + "/metrics.png";
+
+  sample::batch_loader loader(data.train, B, rank, R, o.seed, {o.augment, 2, true}, first_epoch);
+  std::vector<lockstep::request> pending(m.L.buckets.size());
+  using clock = std::chrono::steady_clock;
+  const auto t_run = clock::now();
+
+  const int last_epoch = o.stop_after > 0 ? std::min(o.epochs, first_epoch + o.stop_after) : o.epochs;
+  for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
+    const auto t_epoch = clock::now();
+    double loss_sum = 0, window_loss = 0;
+    int window = 0;
+    auto t_window = clock::now();
+    for (int s = 0; s < steps_per_epoch; ++s, ++step) {
+      const sample::batch& b = loader.next();
+      const float loss = model_forward(m, b.images.data(), b.labels.data(), B, bng, true);
+      // Gradient sync, the one call site: each bucket is averaged over all replicas as soon as
+      // backward has written it; the update waits for all of them.
+      model_backward(m, bng, [&](int k) {
+        auto [first, last] = m.L.buckets[static_cast<std::size_t>(k)];
+        pending[static_cast<std::size_t>(k)] = lockstep::all_reduce_async(
+            world, std::span<float>(m.grads.data() + first, last - first), topo, codec, lockstep::reduce_op::average);
+      });
+      for (auto& r : pending) r.wait();
+      const float lr = static_cast<float>(schedule(static_cast<double>(step)));
+      lockstep::optim::update(opt, ps, m.params, m.grads, st, lockstep::optim::step_context{lr, 1.0f});
+
+      loss_sum += loss;
+      window_loss += loss;
+      ++window;
+      if (leader && !o.quiet && (window == o.print_every || s + 1 == steps_per_epoch)) {
+        const double dt = std::chrono::duration<double>(clock::now() - t_window).count();
+        const double ips = window * static_cast<double>(o.batch) / dt;
+        const double elapsed = std::chrono::duration<double>(clock::now() - t_run).count();
+        const long long done = step + 1 - static_cast<long long>(first_epoch) * steps_per_epoch;
+        const double eta = elapsed / static_cast<double>(done) * static_cast<double>(total_steps - step - 1);
+        std::printf("epoch %d/%d step %d/%d  loss %.4f  lr %.4f  %.0f img/s  ETA %dm%02ds\n", epoch + 1, o.epochs,
+                    s + 1, steps_per_epoch, window_loss / window, lr, ips, static_cast<int>(eta) / 60,
+                    static_cast<int>(eta) % 60);
+        std::fflush(stdout);
+        window = 0, window_loss = 0, t_window = clock::now();
+      }
+    }
+    const double epoch_s = std::chrono::duration<double>(clock::now() - t_epoch).count();
+
+    // Every replica ends the epoch with the same model: the running statistics of different BN
+    // groups differ, so average them (parameters are already equal).
+    lockstep::all_reduce(world, std::span<float>(m.running), lockstep::reduce_op::average);
+
+    // Test accuracy: replica r evaluates its slice of the test set, the sums are added up.
+    const int n_test = o.test_limit > 0 ? std::min(o.test_limit, data.test.n) : data.test.n;
+    const int lo = static_cast<int>(static_cast<long long>(n_test) * rank / R);
+    const int hi = static_cast<int>(static_cast<long long>(n_test) * (rank + 1) / R);
+    const int HW = data.test.rows * data.test.cols, chunk = 500;
+    std::vector<float> images(static_cast<std::size_t>(chunk) * HW);
+    std::vector<int> labels(static_cast<std::size_t>(chunk));
+    float sums[3] = {0, 0, static_cast<float>(loss_sum)};  // correct, test loss sum, train loss sum
+    for (int i = lo; i < hi; i += chunk) {
+      const int n = std::min(chunk, hi - i);
+      for (int k = 0; k < n; ++k) {
+        sample::prepare_image(images.data() + static_cast<std::size_t>(k) * HW, data.test, i + k, {false, 0, false}, 0);
+        labels[static_cast<std::size_t>(k)] = data.test.labels[static_cast<std::size_t>(i + k)];
+      }
+      int correct = 0;
+      sums[1] += model_forward(m, images.data(), labels.data(), n, bng, false, &correct) * n;
+      sums[0] += static_cast<float>(correct);
+    }
+    lockstep::all_reduce(world, std::span<float>(sums, 3));
+
+    if (leader) {
+      epoch_record rec{epoch + 1, step, std::chrono::duration<double>(clock::now() - t_run).count(),
+                       steps_per_epoch * static_cast<double>(o.batch) / epoch_s,
+                       schedule(static_cast<double>(step)), sums[2] / (static_cast<double>(R) * steps_per_epoch),
+                       sums[1] / n_test, sums[0] / n_test};
+      result.epochs.push_back(rec);
+      std::ofstream(csv_path, std::ios::app) << rec.epoch << ',' << rec.step << ',' << rec.step * o.batch << ','
+                                             << rec.seconds << ',' << rec.lr << ',' << rec.train_loss << ','
+                                             << rec.test_loss << ',' << rec.test_acc << ',' << rec.images_per_s << '\n';
+      checkpoint c{epoch + 1, step, m.params, m.running,
+                   std::vector<float>(st.momentum().begin(), st.momentum().end())};
+      save_checkpoint(ckpt_path, o, c);
+      if (!o.quiet) {
+        std::printf("epoch %d: test accuracy %.2f%%  test loss %.4f  train loss %.4f  %.0f img/s  (%.0f s)\n",
+                    rec.epoch, 100.0 * rec.test_acc, rec.test_loss, rec.train_loss, rec.images_per_s, rec.seconds);
+        write_plot(o.out, true);
+      }
+    }
+    lockstep::barrier(world);  // nobody starts the next epoch while rank 0 may still be writing
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Picks the policy types named by the flags and runs one replica with them.
+
+template <class Group>
+void train_dispatch(Group& world, const options& o, const shared_data& data, run_result& result) {
+  using namespace lockstep;
+  auto with_optimizer = [&](auto topo, auto& codec) {
+    if (o.optimizer == "sgd") {
+      optim::sgd opt{o.momentum, o.weight_decay, false, true};
+      train_replica(world, o, data, topo, codec, opt, result);
+    } else {
+      optim::lars opt;
+      opt.momentum = o.momentum;
+      opt.weight_decay = o.weight_decay;
+      opt.trust = o.lars_trust;
+      train_replica(world, o, data, topo, codec, opt, result);
+    }
+  };
+  auto with_codec = [&](auto topo) {
+    auto go = [&](auto inner) {
+      if (o.error_feedback) {
+        codec::error_feedback<decltype(inner)> c(inner);
+        with_optimizer(topo, c);
+      } else {
+        with_optimizer(topo, inner);
+      }
+    };
+    if (o.codec == "fp32") {
+      codec::fp32 c;
+      with_optimizer(topo, c);  // lossless: error feedback would keep a residual of zeros
+    } else if (o.codec == "bf16") {
+      go(codec::bf16{});
+    } else if (o.codec == "int8") {
+      go(codec::int8{o.codec_block});
+    } else {
+      go(codec::dyntree8{o.codec_block});
+    }
+  };
+  if (o.topology == "ring") {
+    with_codec(topology::ring{});
+  } else {
+    int r = 0, c = 0;
+    if (o.topology.size() > 8) std::sscanf(o.topology.c_str() + 8, "%dx%d", &r, &c);  // "torus2d:RxC"
+    with_codec(topology::torus2d{r, c});
+  }
+}
+
+// Checks the flags that a replica cannot check alone; throws with a message naming the flag.
+inline void validate(const options& o) {
+  auto bad = [](const std::string& s) { throw std::invalid_argument(s); };
+  if (o.ranks < 1) bad("--ranks must be at least 1");
+  if (o.batch < o.ranks || o.batch % o.ranks != 0)
+    bad("--batch " + std::to_string(o.batch) + " must be a multiple of --ranks " + std::to_string(o.ranks));
+  if (o.bn_group < 1 || o.ranks % o.bn_group != 0)
+    bad("--bn-group " + std::to_string(o.bn_group) + " must divide --ranks " + std::to_string(o.ranks));
+  if (o.topology != "ring" && o.topology.rfind("torus2d", 0) != 0) bad("--topology must be ring, torus2d or torus2d:RxC");
+  if (o.codec != "fp32" && o.codec != "bf16" && o.codec != "int8" && o.codec != "dyntree8")
+    bad("--codec must be fp32, bf16, int8 or dyntree8");
+  if (o.optimizer != "sgd" && o.optimizer != "lars") bad("--optimizer must be sgd or lars");
+  if (o.epochs < 1) bad("--epochs must be at least 1");
+  if (o.label_smoothing < 0 || o.label_smoothing >= 1) bad("--label-smoothing must be in [0, 1)");
+}
+
+// Loads the data set once for this process, keeping the first N images where the flags say so.
+inline shared_data load_data(const options& o) {
+  shared_data d{sample::load_idx_pair(o.data, "train"), sample::load_idx_pair(o.data, "t10k")};
+  auto limit = [](sample::image_set& s, int n) {
+    if (n <= 0 || n >= s.n) return;
+    s.n = n;
+    s.pixels.resize(static_cast<std::size_t>(n) * s.rows * s.cols);
+    s.labels.resize(static_cast<std::size_t>(n));
+  };
+  limit(d.train, o.train_limit);
+  limit(d.test, o.test_limit);
+  if (d.train.n < o.batch)
+    throw std::invalid_argument("--batch " + std::to_string(o.batch) + " exceeds the " + std::to_string(d.train.n) +
+                                " training images");
+  return d;
+}
+
+// A whole run with o.ranks replicas as threads of this process.
+inline run_result train_inproc(const options& o) {
+  validate(o);
+  std::filesystem::create_directories(o.out);
+  const shared_data data = load_data(o);
+  run_result result;
+  lockstep::run_inproc(o.ranks, [&](auto& g) { train_dispatch(g, o, data, result); });
+  return result;
+}
+
+}  // namespace fashion

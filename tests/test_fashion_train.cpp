@@ -1,0 +1,227 @@
+// The sample trainer over lockstep (samples/fashion_cnn/trainer.hpp): distributed batch norm,
+// replica-count invariance, that training learns, and that --resume continues bit-for-bit.
+//
+// Runs use a synthetic data set written here as IDX files (a class is a bright bar at a
+// class-dependent place, plus noise), small channel counts and few steps, so the whole file takes
+// seconds on two cores and does not depend on the installed Fashion-MNIST.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+#include <zlib.h>
+
+#include <filesystem>
+#include <random>
+
+#include "../samples/fashion_cnn/trainer.hpp"
+
+namespace fs = std::filesystem;
+using namespace fashion;
+
+namespace {
+
+void write_gz(const std::string& path, const std::vector<unsigned char>& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb1");
+  REQUIRE(f);
+  REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
+  gzclose(f);
+}
+
+std::vector<unsigned char> header(std::uint32_t magic, std::vector<std::uint32_t> dims) {
+  std::vector<unsigned char> b;
+  auto put = [&](std::uint32_t v) {
+    for (int s = 24; s >= 0; s -= 8) b.push_back(static_cast<unsigned char>(v >> s));
+  };
+  put(magic);
+  for (auto d : dims) put(d);
+  return b;
+}
+
+// n images of 28x28: class c is a horizontal bar (c even) or vertical bar (c odd) at offset 4 + 2c/2.
+void write_synthetic(const std::string& dir, const std::string& prefix, int n, unsigned seed) {
+  std::mt19937 g(seed);
+  std::uniform_int_distribution<int> noise(0, 60);
+  auto img = header(0x803, {static_cast<std::uint32_t>(n), 28, 28});
+  auto lbl = header(0x801, {static_cast<std::uint32_t>(n)});
+  for (int i = 0; i < n; ++i) {
+    const int c = static_cast<int>(g() % 10), at = 4 + 4 * (c / 2);
+    for (int y = 0; y < 28; ++y)
+      for (int x = 0; x < 28; ++x) {
+        const bool bar = (c % 2 == 0) ? (y >= at && y < at + 3) : (x >= at && x < at + 3);
+        img.push_back(static_cast<unsigned char>(std::min(255, noise(g) + (bar ? 180 : 0))));
+      }
+    lbl.push_back(static_cast<unsigned char>(c));
+  }
+  write_gz(dir + "/" + prefix + "-images-idx3-ubyte.gz", img);
+  write_gz(dir + "/" + prefix + "-labels-idx1-ubyte.gz", lbl);
+}
+
+struct synthetic_data {
+  std::string dir;
+  synthetic_data() {
+    dir = (fs::temp_directory_path() / ("lockstep-fashion-" + std::to_string(::getpid()))).string();
+    fs::create_directories(dir);
+    write_synthetic(dir, "train", 1024, 1);
+    write_synthetic(dir, "t10k", 256, 2);
+  }
+  ~synthetic_data() { fs::remove_all(dir); }
+};
+
+const synthetic_data& data_dir() {
+  static synthetic_data d;
+  return d;
+}
+
+options small_run(const std::string& out) {
+  options o;
+  o.data = data_dir().dir;
+  o.out = data_dir().dir + "/" + out;
+  o.channels = {4, 8, 8};
+  o.batch = 32;
+  o.epochs = 2;
+  o.lr = 0.05;
+  o.warmup_epochs = 0.2;
+  o.train_limit = 256;  // 8 steps per epoch
+  o.threads = 1;
+  o.quiet = true;
+  return o;
+}
+
+checkpoint final_state(const options& o) { return load_checkpoint(o.out + "/checkpoint.bin", o); }
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("distributed batch norm over G = N replicas equals batch norm over the whole batch", "[fashion][bn]") {
+  const int N = 4, b = 3, K = 5, HW = 7, B = N * b;
+  std::mt19937 g(3);
+  std::normal_distribution<float> d(0.5f, 2.0f);
+  std::vector<float> x(static_cast<std::size_t>(B) * K * HW), dy(x.size()), gamma(K), beta(K);
+  for (auto& v : x) v = d(g);
+  for (auto& v : dy) v = d(g);
+  for (int k = 0; k < K; ++k) gamma[static_cast<std::size_t>(k)] = 1.0f + 0.1f * k, beta[static_cast<std::size_t>(k)] = 0.2f * k - 0.3f;
+
+  // The reference: one replica, the whole batch.
+  std::vector<float> y(x.size()), dx(x.size()), dg(K), db(K), mean(K), rstd(K), rm(K, 0.0f), rv(K, 1.0f);
+  float count = 0;
+  const bn_group local;
+  batchnorm_relu_forward(y.data(), mean.data(), rstd.data(), &count, rm.data(), rv.data(), x.data(), gamma.data(),
+                         beta.data(), B, K, HW, local, true);
+  batchnorm_relu_backward(dx.data(), dg.data(), db.data(), dy.data(), x.data(), mean.data(), rstd.data(), count,
+                          gamma.data(), beta.data(), B, K, HW, local);
+
+  // N replicas with b images each, statistics over the group of all N.
+  std::vector<float> y4(x.size()), dx4(x.size()), dg_sum(K, 0.0f), db_sum(K, 0.0f), rm4(static_cast<std::size_t>(N) * K);
+  std::mutex mu;
+  lockstep::run_inproc(N, [&](auto& world) {
+    const int r = world.rank();
+    bn_group grp;
+    grp.size = world.size();
+    grp.all_gather = [&](std::span<const float> mine, std::span<float> all) {
+      lockstep::codec::fp32 c;
+      lockstep::all_gather(world, mine, all, lockstep::topology::ring{}, c);
+    };
+    grp.sum = [&](std::span<float> v) { lockstep::all_reduce(world, v); };
+    const std::size_t off = static_cast<std::size_t>(r) * b * K * HW;
+    std::vector<float> m(K), s(K), rmr(K, 0.0f), rvr(K, 1.0f), lg(K), lb(K);
+    float cnt = 0;
+    batchnorm_relu_forward(y4.data() + off, m.data(), s.data(), &cnt, rmr.data(), rvr.data(), x.data() + off,
+                           gamma.data(), beta.data(), b, K, HW, grp, true);
+    batchnorm_relu_backward(dx4.data() + off, lg.data(), lb.data(), dy.data() + off, x.data() + off, m.data(), s.data(),
+                            cnt, gamma.data(), beta.data(), b, K, HW, grp);
+    std::lock_guard lk(mu);
+    CHECK(cnt == count);
+    for (int k = 0; k < K; ++k) {
+      dg_sum[static_cast<std::size_t>(k)] += lg[static_cast<std::size_t>(k)];
+      db_sum[static_cast<std::size_t>(k)] += lb[static_cast<std::size_t>(k)];
+      CHECK(rmr[static_cast<std::size_t>(k)] == Approx(rm[static_cast<std::size_t>(k)]).margin(1e-6));
+      CHECK(rvr[static_cast<std::size_t>(k)] == Approx(rv[static_cast<std::size_t>(k)]).epsilon(1e-5));
+    }
+  });
+  CHECK(max_abs_diff(y, y4) < 1e-5);
+  CHECK(max_abs_diff(dx, dx4) < 1e-5);
+  CHECK(max_abs_diff(dg, dg_sum) < 1e-4);
+  CHECK(max_abs_diff(db, db_sum) < 1e-4);
+
+  // And a group of one is not the same thing: the check above can fail.
+  std::vector<float> y1(static_cast<std::size_t>(b) * K * HW), m(K), s(K), rmr(K, 0.0f), rvr(K, 1.0f);
+  batchnorm_relu_forward(y1.data(), m.data(), s.data(), &count, rmr.data(), rvr.data(), x.data(), gamma.data(),
+                         beta.data(), b, K, HW, local, true);
+  CHECK(max_abs_diff(std::vector<float>(y.begin(), y.begin() + static_cast<std::ptrdiff_t>(y1.size())), y1) > 1e-3);
+}
+
+TEST_CASE("one replica with batch B and four with B/4 (fp32, G = 4) reach the same weights", "[fashion][train]") {
+  options one = small_run("one");
+  one.epochs = 1;
+  options four = one;
+  four.out = data_dir().dir + "/four";
+  four.ranks = 4;
+  four.bn_group = 4;
+  for (auto* o : {&one, &four}) train_inproc(*o);
+  const checkpoint a = final_state(one), b = final_state(four);
+  double wmax = 0;
+  for (float v : a.params) wmax = std::max(wmax, static_cast<double>(std::fabs(v)));
+  INFO("max |w| " << wmax);
+  CHECK(max_abs_diff(a.params, b.params) < 1e-4 * wmax);
+  CHECK(max_abs_diff(a.running, b.running) < 1e-4);
+  CHECK(max_abs_diff(a.momentum, b.momentum) < 1e-4);
+  // They did train: the weights moved away from the initial ones.
+  CHECK(max_abs_diff(a.params, model_create(config{{4, 8, 8}}, one.seed).params) > 1e-3);
+}
+
+TEST_CASE("a short run on a subset lowers the loss", "[fashion][train]") {
+  options o = small_run("learn");
+  o.ranks = 2;
+  o.bn_group = 2;
+  o.epochs = 3;
+  o.train_limit = 512;
+  o.codec = "int8";
+  o.error_feedback = true;
+  o.topology = "torus2d:1x2";
+  const run_result r = train_inproc(o);
+  REQUIRE(r.epochs.size() == 3);
+  INFO("train loss " << r.epochs[0].train_loss << " -> " << r.epochs[2].train_loss << ", test accuracy "
+                     << r.epochs[2].test_acc);
+  CHECK(r.epochs[2].train_loss < 0.8 * r.epochs[0].train_loss);
+  CHECK(r.epochs[2].test_loss < std::log(10.0));
+  CHECK(r.epochs[2].test_acc > 0.5);
+}
+
+TEST_CASE("--resume continues bit-for-bit", "[fashion][train]") {
+  for (const char* optimizer : {"sgd", "lars"}) {
+    INFO("optimizer " << optimizer);
+    options full = small_run(std::string("full-") + optimizer);
+    full.ranks = 2;
+    full.bn_group = 1;
+    full.optimizer = optimizer;
+    full.lr = optimizer == std::string("lars") ? 1.0 : 0.05;
+    options split = full;
+    split.out = data_dir().dir + "/split-" + optimizer;
+    train_inproc(full);
+    split.stop_after = 1;
+    train_inproc(split);
+    CHECK(final_state(split).epochs_done == 1);
+    split.resume = true;
+    train_inproc(split);
+    const checkpoint a = final_state(full), b = final_state(split);
+    CHECK(b.epochs_done == 2);
+    CHECK(a.global_step == b.global_step);
+    CHECK(a.params == b.params);
+    CHECK(a.running == b.running);
+    CHECK(a.momentum == b.momentum);
+  }
+}
+
+TEST_CASE("resuming with other flags is refused with a message saying so", "[fashion][train]") {
+  options o = small_run("refuse");
+  o.epochs = 1;
+  train_inproc(o);
+  o.resume = true;
+  o.batch = 64;
+  CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("written with other training flags"));
+}
