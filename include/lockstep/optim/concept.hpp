@@ -32,7 +32,7 @@ struct sum_request {
   bool grads = false;          // Σ (s·g)²
   bool decayed_grads = false;  // Σ (s·g + decay·w)²  (Optax's LARS denominator)
   float decay = 0.0f;          // the β of decayed_grads
-  constexpr bool any() const noexcept { return weights || grads || decayed_grads; }
+  LOCKSTEP_HD constexpr bool any() const noexcept { return weights || grads || decayed_grads; }
 };
 
 // Sums over one whole tensor, in fp64; gradients already multiplied by the step's grad_scale.

@@ -43,16 +43,17 @@ struct lars {
   };
 
   static constexpr std::string_view name() noexcept { return "lars"; }
-  constexpr bool uses_momentum() const noexcept { return momentum != 0.0f; }
+  LOCKSTEP_HD constexpr bool uses_momentum() const noexcept { return momentum != 0.0f; }
 
-  constexpr sum_request sums(bool exempt) const noexcept {
+  LOCKSTEP_HD constexpr sum_request sums(bool exempt) const noexcept {
     if (exempt) return {};
     if (denom == denominator::decayed_norm) return {true, false, true, weight_decay};
     return {true, true, false, 0.0f};
   }
 
-  // λ from the tensor's sums; fp64 so that the ratio adds no rounding of its own.
-  double trust_ratio(const tensor_sums& s) const noexcept {
+  // λ from the tensor's sums; fp64 so that the ratio adds no rounding of its own. LOCKSTEP_HD: the
+  // device sweep computes coefficients on the GPU with this same function.
+  LOCKSTEP_HD double trust_ratio(const tensor_sums& s) const noexcept {
     const double wn = std::sqrt(s.w2);
     const double gn = std::sqrt(denom == denominator::decayed_norm ? s.d2 : s.g2);
     if (wn == 0.0 || gn == 0.0) return 1.0;
@@ -61,7 +62,7 @@ struct lars {
     return double(trust) * wn / den;
   }
 
-  coeffs coefficients(const step_context& c, const tensor_sums& s, bool exempt) const noexcept {
+  LOCKSTEP_HD coeffs coefficients(const step_context& c, const tensor_sums& s, bool exempt) const noexcept {
     const double lambda = exempt ? 1.0 : trust_ratio(s);
     const float decay = exempt ? 0.0f : weight_decay;
     if (lr_at == lr_placement::inside)

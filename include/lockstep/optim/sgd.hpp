@@ -32,10 +32,10 @@ struct sgd {
   };
 
   static constexpr std::string_view name() noexcept { return "sgd"; }
-  constexpr bool uses_momentum() const noexcept { return momentum != 0.0f; }
-  constexpr sum_request sums(bool) const noexcept { return {}; }
+  LOCKSTEP_HD constexpr bool uses_momentum() const noexcept { return momentum != 0.0f; }
+  LOCKSTEP_HD constexpr sum_request sums(bool) const noexcept { return {}; }
 
-  constexpr coeffs coefficients(const step_context& c, const tensor_sums&, bool exempt) const noexcept {
+  LOCKSTEP_HD constexpr coeffs coefficients(const step_context& c, const tensor_sums&, bool exempt) const noexcept {
     return {c.lr, c.grad_scale, momentum, (decay_exempt && exempt) ? 0.0f : weight_decay, nesterov};
   }
 

@@ -303,16 +303,20 @@ void check_buffers(const char* op, const O& opt, const param_set& ps, std::size_
 
 // One update of every tensor: w, v (and the bf16 copy when given) from w, g, v. Nothing is
 // communicated; the gradients are used as they are, times ctx.grad_scale.
-template <optimizer O>
+// O is unconstrained so that a type that is not an optimizer gets check_optimizer's sentence, not
+// a failed constraint.
+template <class O>
 void update(const O& opt, const param_set& ps, std::span<float> weights, std::span<const float> grads, state& st,
             step_context ctx, std::span<std::uint16_t> weights_bf16 = {},
             thread_pool& pool = thread_pool::shared()) {
   static_assert(check_optimizer<O>());
-  detail::check_buffers("optim::update", opt, ps, weights.size(), grads.size(), weights_bf16.size(), st);
-  detail::sweep<O> sw(opt, ps, weights.data(), grads.data(), st, ctx,
-                      weights_bf16.empty() ? nullptr : weights_bf16.data(), pool);
-  sw.run_all();
-  st.count_step();
+  if constexpr (optimizer<O>) {
+    detail::check_buffers("optim::update", opt, ps, weights.size(), grads.size(), weights_bf16.size(), st);
+    detail::sweep<O> sw(opt, ps, weights.data(), grads.data(), st, ctx,
+                        weights_bf16.empty() ? nullptr : weights_bf16.data(), pool);
+    sw.run_all();
+    st.count_step();
+  }
 }
 
 }  // namespace lockstep::optim
