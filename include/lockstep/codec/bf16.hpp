@@ -1,7 +1,7 @@
 // lockstep/codec/bf16.hpp: bfloat16 on the wire, round to nearest even.
 //
 // bf16 keeps fp32's 8-bit exponent and cuts the mantissa to 7 bits, so the range is fp32's and
-// the relative error of one value is at most 2^-9 (half an ulp). NaN stays NaN (quiet), +-Inf
+// the relative error of one value is at most 2^-8 (half an ulp of an 8-bit significand). NaN stays NaN (quiet), +-Inf
 // stays +-Inf; finite values too large round to Inf exactly as the hardware converters do.
 #pragma once
 

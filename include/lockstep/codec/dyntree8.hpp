@@ -14,6 +14,7 @@
 // instead of its midpoint, so 0 and +-absmax round-trip exactly; see docs/codecs.md for the errors.
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <string_view>
@@ -26,24 +27,30 @@ namespace lockstep::codec {
 struct dyntree8_format {
   static constexpr std::string_view name = "dyntree8";
 
-  // Branch-free so that the host loop vectorises: the decade is a sum of comparisons and the
-  // decade's power of ten a chain of selects.
-  LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept {
-    const float a = fabsf(unit);
-    const int k = (a < 1e-1f) + (a < 1e-2f) + (a < 1e-3f) + (a < 1e-4f) + (a < 1e-5f) + (a < 1e-6f);
-    float s = a < 1e-1f ? 1e1f : 1.0f;
-    s = a < 1e-2f ? 1e2f : s;
-    s = a < 1e-3f ? 1e3f : s;
-    s = a < 1e-4f ? 1e4f : s;
-    s = a < 1e-5f ? 1e5f : s;
-    s = a < 1e-6f ? 1e6f : s;
-    const int bins = 64 >> k;
-    int idx = static_cast<int>((a * s - 0.1f) * (static_cast<float>(bins) * (1.0f / 0.9f)));
-    idx = idx < 0 ? 0 : (idx > bins - 1 ? bins - 1 : idx);
-    const int mag = a < 1e-7f ? 0 : (bins | idx);
-    const int sign = unit < 0.0f ? 0x80 : 0;
-    return static_cast<std::uint8_t>(mag == 0 ? 0 : (mag | sign));
+  // The code of u = x / absmax in its low 8 bits. Branch-free and free of float comparisons so
+  // that host loops vectorise: the decade is a sum of comparisons on the bit patterns (for
+  // non-negative floats integer order is float order), its power of ten a product of selects
+  // between the bit patterns of 1 and 10, the bin count 2^(6-k) an exponent. A float compare or
+  // a chain of dependent selects would leave a branch in the loop (compilers keep a possibly
+  // trapping operation conditional unless told -fno-trapping-math).
+  LOCKSTEP_HD static std::uint32_t code(float unit) noexcept {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(unit);
+    const std::uint32_t a = u & 0x7fffffffu;  // |unit| as bits
+    constexpr std::uint32_t e1 = 0x3dcccccdu, e2 = 0x3c23d70au, e3 = 0x3a83126fu,  // 1e-1f .. 1e-3f
+        e4 = 0x38d1b717u, e5 = 0x3727c5acu, e6 = 0x358637bdu, e7 = 0x33d6bf95u;     // 1e-4f .. 1e-7f
+    const std::int32_t k = (a < e1) + (a < e2) + (a < e3) + (a < e4) + (a < e5) + (a < e6);
+    auto ten_if = [](bool c) { return std::bit_cast<float>(c ? 0x41200000u : 0x3f800000u); };  // 10 : 1
+    const float s = ten_if(a < e1) * ten_if(a < e2) * ten_if(a < e3) * ten_if(a < e4) * ten_if(a < e5) * ten_if(a < e6);
+    const float bins = std::bit_cast<float>(static_cast<std::uint32_t>(133 - k) << 23);  // 2^(6-k)
+    // |u| * 10^k lies in [0.1, 1] up to rounding, so the index lies in (-1, bins]: truncation
+    // makes the low end 0, and the subtraction folds the one value equal to bins into the top bin.
+    std::int32_t idx = static_cast<std::int32_t>((std::bit_cast<float>(a) * s - 0.1f) * (bins * (1.0f / 0.9f)));
+    idx -= idx >> (6 - k);
+    const std::int32_t keep = -static_cast<std::int32_t>(a >= e7);  // |u| < 1e-7: the zero code
+    const std::int32_t sign = static_cast<std::int32_t>(u >> 31) << 7;
+    return static_cast<std::uint32_t>(((64 >> k) | idx | sign) & keep);
   }
+  LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
 
   LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
     const int mag = code & 0x7f;

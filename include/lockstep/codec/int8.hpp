@@ -18,12 +18,15 @@ namespace lockstep::codec {
 struct linear8_format {
   static constexpr std::string_view name = "int8";
 
-  LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept {
-    // unit is in [-1, 1] up to one rounding of x * (1 / absmax); the clamp covers that rounding.
-    float q = rintf(unit * 127.0f);
-    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-    return static_cast<std::uint8_t>(static_cast<std::int8_t>(static_cast<int>(q)));
+  // The code in the low 8 bits; the clamp is on integers so that host loops vectorise (see
+  // dyntree8_format::code). unit is in [-1, 1] up to one rounding of x * (1 / absmax).
+  LOCKSTEP_HD static std::uint32_t code(float unit) noexcept {
+    std::int32_t q = static_cast<std::int32_t>(rintf(unit * 127.0f));
+    q = q > 127 ? 127 : q;
+    q = q < -127 ? -127 : q;
+    return static_cast<std::uint32_t>(q) & 0xffu;
   }
+  LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
   LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
     return static_cast<float>(static_cast<std::int8_t>(code)) / 127.0f;
   }

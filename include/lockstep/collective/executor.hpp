@@ -236,7 +236,10 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
     std::vector<typename T::request> send_reqs, recv_reqs;
     for (std::size_t si = 0; si < s.steps.size(); ++si) {
       const topology::step& st = s.steps[si];
-      const std::uint32_t tag = (static_cast<std::uint32_t>(seq & 0x7fff) << 9) | static_cast<std::uint32_t>(si & 0x1ff);
+      // Messages between two ranks are matched in send order (the schedule guarantees both sides
+      // agree on it), so the tag only separates calls; a step number would differ between a
+      // broadcast root's k-th send and its receiver's first step.
+      const std::uint32_t tag = static_cast<std::uint32_t>(seq & 0x7fff) << 9;
       const bool reduce = st.act == action::reduce;
       sends.clear();
       recvs.clear();

@@ -1,0 +1,172 @@
+// lockstep-bench-codec: how fast each codec turns fp32 into wire bytes and back, on one core,
+// beside memcpy of a buffer of the same size measured in the same run, and how much it loses.
+//
+//   lockstep-bench-codec [--codec all|fp32|bf16|int8|dyntree8] [--sizes 64K,1M,64M] [--iters N]
+//                        [--block B] [--json]
+//
+// Rates are fp32 bytes processed per second: encode_gbs = 4n / t(encode), decode_add_gbs =
+// 4n / t(decode_add), roundtrip_gbs = 4n / (t(encode) + t(decode_add)); memcpy_gbs = 4n / t(memcpy
+// of 4n bytes). Each timing is the median of --iters runs over a rotation of buffers that together
+// exceed the last-level cache, so that a large size measures memory, not cache. Errors are the mean
+// and max of |decode(encode(x)) - x| / |x| over x ~ N(0, 1) (and, in the table, Student-t with 2
+// degrees of freedom for heavy tails).
+#include <lockstep/codec.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+
+std::size_t parse_size(const std::string& s) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  std::string unit(end);
+  if (unit == "K" || unit == "KiB") v *= 1024;
+  else if (unit == "M" || unit == "MiB") v *= 1024 * 1024;
+  else if (unit == "G" || unit == "GiB") v *= 1024.0 * 1024 * 1024;
+  else if (!unit.empty()) {
+    std::fprintf(stderr, "lockstep-bench-codec: bad size '%s' (use e.g. 64K, 1M, 64M)\n", s.c_str());
+    std::exit(2);
+  }
+  return static_cast<std::size_t>(v);
+}
+
+std::vector<std::size_t> parse_sizes(const std::string& list) {
+  std::vector<std::size_t> out;
+  std::size_t a = 0;
+  while (a <= list.size()) {
+    auto b = list.find(',', a);
+    if (b == std::string::npos) b = list.size();
+    if (b > a) out.push_back(parse_size(list.substr(a, b - a)));
+    a = b + 1;
+  }
+  return out;
+}
+
+template <class F>
+double median_seconds(int iters, F&& f) {
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f(i);
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
+  return t[t.size() / 2];
+}
+
+struct errors {
+  double mean = 0, max = 0;
+};
+
+template <class C>
+errors measure_error(const C& c, const std::vector<float>& x) {
+  std::vector<std::byte> w(c.wire_bytes(x.size()));
+  std::vector<float> y(x.size());
+  c.encode(x.data(), x.size(), w.data());
+  c.decode(w.data(), x.size(), y.data());
+  errors e;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double r = std::abs(double(y[i]) - x[i]) / std::abs(double(x[i]));
+    e.mean += r;
+    e.max = std::max(e.max, r);
+  }
+  e.mean /= static_cast<double>(x.size());
+  return e;
+}
+
+struct options {
+  std::string codec = "all";
+  std::vector<std::size_t> sizes = parse_sizes("64K,1M,16M,64M");
+  int iters = 7;
+  std::size_t block = 512;
+  bool json = false;
+};
+
+template <class C>
+void run(const char* name, const C& c, const options& o, const std::vector<float>& gauss,
+         const std::vector<float>& heavy) {
+  const errors eg = measure_error(c, gauss), eh = measure_error(c, heavy);
+  for (std::size_t bytes : o.sizes) {
+    const std::size_t n = std::max<std::size_t>(1, bytes / sizeof(float));
+    // Enough buffers that one pass over all of them is >= 256 MiB: no size is served from cache.
+    const std::size_t nbuf = std::max<std::size_t>(2, (std::size_t{256} << 20) / (n * sizeof(float)) + 1);
+    const std::size_t rot = std::min<std::size_t>(nbuf, 64);
+    std::vector<std::vector<float>> in(rot, std::vector<float>(n)), acc(rot, std::vector<float>(n, 0.0f));
+    std::vector<std::vector<std::byte>> wire(rot, std::vector<std::byte>(c.wire_bytes(n)));
+    std::vector<std::vector<float>> dst(rot, std::vector<float>(n));
+    for (std::size_t b = 0; b < rot; ++b)
+      for (std::size_t i = 0; i < n; ++i) in[b][i] = gauss[(i + b * 7919) % gauss.size()];
+    const std::size_t reps = std::max<std::size_t>(1, (std::size_t{64} << 20) / (n * sizeof(float)));
+    auto timed = [&](auto&& body) {
+      return median_seconds(o.iters, [&](int it) {
+               for (std::size_t r = 0; r < reps; ++r) body((static_cast<std::size_t>(it) * reps + r) % rot);
+             }) / static_cast<double>(reps);
+    };
+    const double t_enc = timed([&](std::size_t b) { c.encode(in[b].data(), n, wire[b].data()); });
+    const double t_dec = timed([&](std::size_t b) { c.decode_add(wire[b].data(), n, acc[b].data()); });
+    const double t_cpy = timed([&](std::size_t b) { std::memcpy(dst[b].data(), in[b].data(), n * sizeof(float)); });
+    const double gb = static_cast<double>(n * sizeof(float)) / 1e9;
+    const double enc = gb / t_enc, dec = gb / t_dec, rt = gb / (t_enc + t_dec), cpy = gb / t_cpy;
+    if (o.json) {
+      std::printf("{\"codec\":\"%s\",\"bytes\":%zu,\"encode_gbs\":%.3f,\"decode_add_gbs\":%.3f,\"roundtrip_gbs\":%.3f,"
+                  "\"memcpy_gbs\":%.3f,\"mean_rel_err\":%.6g,\"max_rel_err\":%.6g,\"block\":%zu,"
+                  "\"heavy_mean_rel_err\":%.6g,\"heavy_max_rel_err\":%.6g}\n",
+                  name, n * sizeof(float), enc, dec, rt, cpy, eg.mean, eg.max, c.block(), eh.mean, eh.max);
+    } else {
+      std::printf("%-9s %10zu %9.2f %9.2f %9.2f %9.2f %7.0f%% %10.2e %10.2e %10.2e %10.2e\n", name, n * sizeof(float),
+                  enc, dec, rt, cpy, 100.0 * rt / cpy, eg.mean, eg.max, eh.mean, eh.max);
+    }
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "lockstep-bench-codec: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--codec") o.codec = next();
+    else if (a == "--sizes") o.sizes = parse_sizes(next());
+    else if (a == "--iters") o.iters = std::max(1, std::atoi(next().c_str()));
+    else if (a == "--block") o.block = static_cast<std::size_t>(std::atol(next().c_str()));
+    else if (a == "--json") o.json = true;
+    else {
+      std::printf("usage: lockstep-bench-codec [--codec all|fp32|bf16|int8|dyntree8] [--sizes 64K,1M,64M]\n"
+                  "                            [--iters N] [--block B] [--json]\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  std::mt19937 g(42);
+  std::normal_distribution<float> nd;
+  std::student_t_distribution<float> td(2.0f);
+  std::vector<float> gauss(1 << 20), heavy(1 << 20);
+  for (auto& v : gauss) v = nd(g);
+  for (auto& v : heavy) v = td(g);
+  if (!o.json)
+    std::printf("%-9s %10s %9s %9s %9s %9s %8s %10s %10s %10s %10s\n", "codec", "bytes", "enc GB/s", "dec+ GB/s",
+                "rt GB/s", "memcpy", "rt/cpy", "N01 mean", "N01 max", "t2 mean", "t2 max");
+  auto want = [&](const char* c) { return o.codec == "all" || o.codec == c; };
+  if (want("fp32")) run("fp32", codec::fp32{}, o, gauss, heavy);
+  if (want("bf16")) run("bf16", codec::bf16{}, o, gauss, heavy);
+  if (want("int8")) run("int8", codec::int8{o.block}, o, gauss, heavy);
+  if (want("dyntree8")) run("dyntree8", codec::dyntree8{o.block}, o, gauss, heavy);
+  return 0;
+}

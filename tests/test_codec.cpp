@@ -1,0 +1,247 @@
+// Codecs: bit-level format checks, round-trip error bounds, exact 0 and +-absmax, non-finite
+// blocks, decode_add == acc + decode, error feedback. Seeded inputs throughout.
+#include <lockstep/codec.hpp>
+
+#include <bit>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+
+// bf16 reference written from the definition: of the two bf16 neighbours of x, the nearer one;
+// on a tie the one with an even last bit. Compared in double, independent of the bit trick.
+std::uint16_t bf16_reference(float x) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  if (std::isnan(x)) return 0;  // checked separately
+  const std::uint16_t lo = static_cast<std::uint16_t>(u >> 16);
+  if ((u & 0xffffu) == 0) return lo;
+  const std::uint16_t hi = static_cast<std::uint16_t>(lo + 1);
+  const double dx = x;
+  const double dlo = std::bit_cast<float>(static_cast<std::uint32_t>(lo) << 16);
+  const float fhi = std::bit_cast<float>(static_cast<std::uint32_t>(hi) << 16);
+  // hi may be Inf when x is near FLT_MAX: the midpoint is then 2^128 - 2^103 (fp32's overflow rule).
+  const double dhi = std::isinf(fhi) ? std::ldexp(1.0, 128) * (fhi > 0 ? 1 : -1) : double(fhi);
+  const double a = std::abs(dx - dlo), b = std::abs(dhi - dx);
+  if (a < b) return lo;
+  if (b < a) return hi;
+  return (lo & 1) ? hi : lo;
+}
+
+std::vector<float> normal(std::size_t n, std::uint32_t seed, float sigma = 1.0f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+// The absolute error one dyntree8 code may make for |u| = |x| / absmax (half its bin's width).
+double dyntree8_bound(double u) {
+  u = std::abs(u);
+  if (u < 1e-7) return 1e-7;
+  if (u >= 1.0 - 0.9 / 64) return 0.9 / 64;  // the top bin decodes to 1
+  int k = 0;
+  double p = 1.0;
+  while (k < 6 && u < 0.1 * p) ++k, p *= 0.1;
+  return 0.9 / (1 << (6 - k)) / 2 * p;
+}
+
+template <class C>
+std::vector<float> roundtrip(const C& c, const std::vector<float>& x) {
+  std::vector<std::byte> w(c.wire_bytes(x.size()));
+  std::vector<float> y(x.size());
+  c.encode(x.data(), x.size(), w.data());
+  c.decode(w.data(), x.size(), y.data());
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 rounds to nearest even on random bit patterns and edge cases", "[codec][bf16]") {
+  std::mt19937 g(7);
+  std::vector<std::uint32_t> bits = {0x00000000u, 0x80000000u, 0x3f800000u, 0x3f808000u, 0x3f818000u,
+                                     0x3f80ffffu, 0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u, 0x00000001u,
+                                     0x807fffffu, 0x7f800000u, 0xff800000u};
+  for (int i = 0; i < 200000; ++i) bits.push_back(g());
+  for (std::uint32_t u : bits) {
+    const float x = std::bit_cast<float>(u);
+    const std::uint16_t h = codec::bf16_from_bits(u);
+    if (std::isnan(x)) {
+      CHECK(std::isnan(std::bit_cast<float>(codec::bf16_to_bits(h))));
+      continue;
+    }
+    INFO("x bits " << std::hex << u);
+    CHECK(h == bf16_reference(x));
+  }
+  CHECK(codec::bf16_from_bits(0x3f808000u) == 0x3f80);  // tie, even stays
+  CHECK(codec::bf16_from_bits(0x3f818000u) == 0x3f82);  // tie, odd rounds up
+  CHECK(codec::bf16_from_bits(0x7f7fffffu) == 0x7f80);  // FLT_MAX rounds to +Inf
+  CHECK(codec::bf16_from_bits(0x7f800000u) == 0x7f80);  // +Inf stays
+  CHECK(codec::bf16_from_bits(0xff800000u) == 0xff80);  // -Inf stays
+  CHECK(codec::bf16_from_bits(0x7fffffffu) == 0x7fff);  // NaN with all mantissa bits stays NaN
+  CHECK(codec::bf16_from_bits(0x7f800001u) == 0x7fc0);  // signalling NaN becomes quiet, never Inf
+}
+
+TEST_CASE("bf16 codec round trip is within half an ulp and keeps specials", "[codec][bf16]") {
+  codec::bf16 c;
+  auto x = normal(10007, 1);
+  x[0] = std::numeric_limits<float>::infinity();
+  x[1] = -std::numeric_limits<float>::infinity();
+  x[2] = std::numeric_limits<float>::quiet_NaN();
+  x[3] = 0.0f;
+  x[4] = -0.0f;
+  auto y = roundtrip(c, x);
+  CHECK(std::isinf(y[0]));
+  CHECK(y[0] > 0);
+  CHECK(std::isinf(y[1]));
+  CHECK(y[1] < 0);
+  CHECK(std::isnan(y[2]));
+  CHECK(y[3] == 0.0f);
+  CHECK(std::signbit(y[4]));
+  for (std::size_t i = 5; i < x.size(); ++i) CHECK(std::abs(y[i] - x[i]) <= std::ldexp(std::abs(x[i]), -8));
+  CHECK(c.wire_bytes(10) == 24);
+}
+
+TEST_CASE("dyntree8 code book is Dettmers' dynamic tree", "[codec][dyntree8]") {
+  using f = codec::dyntree8_format;
+  // Count the positive values per decade: 64, 32, 16, 8, 4, 2, 1 (the top code is pinned to 1).
+  int per_decade[7] = {};
+  for (int c = 1; c < 128; ++c) {
+    const double v = f::value(static_cast<std::uint8_t>(c));
+    REQUIRE(v > 0);
+    int k = 0;
+    double p = 1.0;
+    while (v < 0.1 * p) ++k, p *= 0.1;
+    REQUIRE(k <= 6);
+    ++per_decade[k];
+    CHECK(f::value(static_cast<std::uint8_t>(c | 0x80)) == -f::value(static_cast<std::uint8_t>(c)));
+  }
+  const int expected[7] = {64, 32, 16, 8, 4, 2, 1};
+  for (int k = 0; k < 7; ++k) CHECK(per_decade[k] == expected[k]);
+  // Bit layout: magnitude 0b1000000 is the first bin of [0.1, 1), 0b0000001 the lone 1e-6 bin.
+  CHECK(f::value(0x40) == Approx(0.1 + 0.9 / 128).epsilon(1e-7));
+  CHECK(f::value(0x01) == Approx(0.55e-6).epsilon(1e-7));
+  CHECK(f::value(0x20) == Approx((0.1 + 0.9 / 64) * 0.1).epsilon(1e-7));
+  CHECK(f::value(0x7f) == 1.0f);
+  CHECK(f::value(0x00) == 0.0f);
+  // Every code's value encodes back to that code: midpoints lie inside their own bins.
+  for (int c = 0; c < 256; ++c) {
+    if (c == 0x80) continue;  // negative zero is never produced
+    CHECK(f::quantize(f::value(static_cast<std::uint8_t>(c))) == c);
+  }
+  // Magnitudes are ordered like their codes.
+  for (int c = 1; c < 127; ++c) CHECK(f::value(static_cast<std::uint8_t>(c)) < f::value(static_cast<std::uint8_t>(c + 1)));
+}
+
+TEMPLATE_TEST_CASE("8-bit codecs: exact 0 and +-absmax, bounded error, non-finite blocks", "[codec]",
+                   codec::int8, codec::dyntree8) {
+  TestType c;
+  REQUIRE(c.block() == 512);
+  CHECK(4.0 / c.block() < 0.01);  // scale overhead under 1%
+  const std::size_t n = 3 * 512 + 77;
+  auto x = normal(n, 3);
+  x[10] = 0.0f;
+  x[700] = 0.0f;
+  auto y = roundtrip(c, x);
+  for (std::size_t b = 0; b * 512 < n; ++b) {
+    const std::size_t lo = b * 512, hi = std::min(n, lo + 512);
+    float m = 0;
+    std::size_t at = lo;
+    for (std::size_t i = lo; i < hi; ++i)
+      if (std::abs(x[i]) > m) m = std::abs(x[i]), at = i;
+    CHECK(y[at] == x[at]);  // +-absmax exactly
+    for (std::size_t i = lo; i < hi; ++i) {
+      const double u = x[i] / m;
+      const double bound = std::is_same_v<TestType, codec::int8> ? m / 254.0 : dyntree8_bound(u) * m;
+      INFO("i " << i << " x " << x[i] << " y " << y[i] << " absmax " << m);
+      CHECK(std::abs(double(y[i]) - x[i]) <= bound * (1 + 1e-5) + 1e-7 * m);
+    }
+  }
+  CHECK(y[10] == 0.0f);
+  CHECK(y[700] == 0.0f);
+
+  // A NaN or Inf poisons its own block only.
+  auto z = x;
+  z[600] = std::numeric_limits<float>::infinity();
+  z[1300] = std::numeric_limits<float>::quiet_NaN();
+  auto w = roundtrip(c, z);
+  for (std::size_t i = 0; i < n; ++i) {
+    const bool poisoned = (i / 512 == 1) || (i / 512 == 2);
+    if (poisoned) CHECK(std::isnan(w[i]));
+    else CHECK(w[i] == y[i]);
+  }
+
+  // An all-zero block stays zero; decode_add adds decode (one rounding apart at most: a compiler
+  // may fuse the scale multiply and the add into one fma).
+  std::vector<float> zeros(600, 0.0f);
+  for (float v : roundtrip(c, zeros)) CHECK(v == 0.0f);
+  std::vector<std::byte> wire(c.wire_bytes(n));
+  c.encode(x.data(), n, wire.data());
+  std::vector<float> acc = normal(n, 4), expect = acc;
+  for (std::size_t i = 0; i < n; ++i) expect[i] += y[i];
+  c.decode_add(wire.data(), n, acc.data());
+  for (std::size_t i = 0; i < n; ++i)
+    CHECK(std::abs(acc[i] - expect[i]) <= std::ldexp(std::abs(expect[i] - y[i]) + std::abs(y[i]), -23));
+}
+
+TEST_CASE("mean relative error on N(0,1) is near Dettmers' figures", "[codec]") {
+  auto x = normal(1 << 18, 11);
+  auto mean_rel = [&](auto c) {
+    auto y = roundtrip(c, x);
+    double s = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) s += std::abs(y[i] - x[i]) / std::abs(x[i]);
+    return s / static_cast<double>(x.size());
+  };
+  const double dt = mean_rel(codec::dyntree8{}), dt64 = mean_rel(codec::dyntree8{64});
+  const double li = mean_rel(codec::int8{}), li64 = mean_rel(codec::int8{64});
+  INFO("dyntree8 " << dt << " (64: " << dt64 << "), int8 " << li << " (64: " << li64 << ")");
+  CHECK(dt < 0.025);
+  CHECK(dt64 < 0.02);
+  CHECK(dt < li);  // the dynamic type beats linear on Gaussian data
+  CHECK(li64 < li);
+}
+
+TEST_CASE("codec ids tell formats and block sizes apart", "[codec]") {
+  CHECK(codec::fp32{}.id() != codec::bf16{}.id());
+  CHECK(codec::int8{}.id() != codec::dyntree8{}.id());
+  CHECK(codec::int8{512}.id() != codec::int8{256}.id());
+  CHECK(codec::error_feedback<codec::int8>{}.id() == codec::int8{}.id());
+  static_assert(codec::codec<codec::fp32> && codec::codec<codec::bf16> && codec::codec<codec::int8> &&
+                codec::codec<codec::dyntree8> && codec::codec<codec::error_feedback<codec::dyntree8>>);
+  static_assert(codec::feedback_codec<codec::error_feedback<codec::int8>>);
+  static_assert(!codec::feedback_codec<codec::int8>);
+}
+
+TEST_CASE("error feedback keeps the running sum of decoded values close to the true sum", "[codec][ef]") {
+  codec::error_feedback<codec::dyntree8> ef;
+  codec::dyntree8 plain;
+  const std::size_t n = 4096;
+  std::vector<double> truth(n, 0.0), with_ef(n, 0.0), without(n, 0.0);
+  std::vector<std::byte> w(ef.wire_bytes(n));
+  std::vector<float> y(n);
+  float* r = ef.residual(&truth, n, 0);
+  for (int step = 0; step < 200; ++step) {
+    auto x = normal(n, 100 + static_cast<std::uint32_t>(step));
+    for (std::size_t i = 0; i < n; ++i) x[i] = x[i] * 0.01f + 0.003f;  // a small bias: plain rounding drifts
+    ef.encode_with_residual(x.data(), n, w.data(), r);
+    ef.decode(w.data(), n, y.data());
+    for (std::size_t i = 0; i < n; ++i) with_ef[i] += y[i], truth[i] += x[i];
+    plain.encode(x.data(), n, w.data());
+    plain.decode(w.data(), n, y.data());
+    for (std::size_t i = 0; i < n; ++i) without[i] += y[i];
+  }
+  double e_ef = 0, e_plain = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    e_ef = std::max(e_ef, std::abs(with_ef[i] - truth[i]));
+    e_plain = std::max(e_plain, std::abs(without[i] - truth[i]));
+  }
+  INFO("max drift with feedback " << e_ef << ", without " << e_plain);
+  // With feedback the drift is one step's residual, not 200 steps' worth.
+  CHECK(e_ef < 0.05 * 0.9 / 64 * 2);
+  CHECK(e_ef * 5 < e_plain);
+}

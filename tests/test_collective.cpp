@@ -1,0 +1,371 @@
+// Collectives over in-process ranks: every op x topology x codec for 1..9 ranks, counts 0, 1,
+// N-1, a prime and 4 Mi. fp32 results are exact on integer-valued inputs (nccl-tests style);
+// lossy codecs stay within the bound of docs/codecs.md against an fp64 reference:
+//   |y - exact| <= (H + 1) * delta * M
+// with H the reduce-scatter hops (N-1 ring, R+C-2 torus), delta the codec's error per
+// quantisation relative to the block's absmax, and M = max_i sum_r |x_r[i]| (bounds every
+// partial sum). Results must be bitwise identical on every rank and from run to run.
+#include <lockstep/lockstep.hpp>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <vector>
+
+using namespace lockstep;
+using namespace std::chrono_literals;
+using inproc_group = group<transport::inproc>;
+
+namespace {
+
+// Inputs: integers in [-8, 8] for exact fp32 checks; Gaussian values for lossy codecs.
+float input(int rank, std::size_t i, bool integer) {
+  const std::uint64_t h = (i * 2654435761u) ^ (static_cast<std::uint64_t>(rank) * 0x9e3779b97f4a7c15ull);
+  if (integer) return static_cast<float>(static_cast<int>((h >> 7) % 17) - 8);
+  // Box-Muller over two splitmix64 draws: a seeded N(0, 1) value that is cheap per element.
+  auto mix = [](std::uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  const double u1 = (static_cast<double>(mix(h) >> 11) + 0.5) * 0x1p-53;
+  const double u2 = static_cast<double>(mix(h + 0x9e3779b97f4a7c15ull) >> 11) * 0x1p-53;
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+template <class C>
+double delta() {
+  if constexpr (std::is_same_v<C, codec::fp32>) return 0.0;
+  else if constexpr (std::is_same_v<C, codec::bf16>) return 1.0 / 256;
+  else if constexpr (std::is_same_v<C, codec::int8> || std::is_same_v<C, codec::error_feedback<codec::int8>>) return 1.0 / 254;
+  else return 0.9 / 64;
+}
+
+int hops(const topology::ring&, int n) { return n - 1; }
+int hops(const topology::torus2d& t, int n) {
+  auto [r, c] = t.shape(n);
+  return r + c - 2;
+}
+
+struct results {
+  std::mutex m;
+  std::vector<std::vector<float>> per_rank;
+  explicit results(int n) : per_rank(static_cast<std::size_t>(n)) {}
+  void put(int r, std::vector<float> v) {
+    std::lock_guard lk(m);
+    per_rank[static_cast<std::size_t>(r)] = std::move(v);
+  }
+};
+
+template <class C>
+constexpr bool exact = std::is_same_v<C, codec::fp32>;
+
+// Checks y against the fp64 reference `ref` with the bound above, over [0, ref.size()).
+template <class C>
+void check_close(const std::vector<float>& y, const std::vector<double>& ref, double m, int h, int n, double scale) {
+  REQUIRE(y.size() == ref.size());
+  const double bound = (h + 1) * delta<C>() * m * scale * (codec::feedback_codec<C> ? 2 : 1) + n * 1e-6 * m * scale;
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    if constexpr (exact<C>) {
+      if (y[i] != ref[i]) FAIL("element " << i << ": " << y[i] << " != " << ref[i]);
+    } else {
+      if (!(std::abs(y[i] - ref[i]) <= bound)) FAIL("element " << i << ": " << y[i] << " vs " << ref[i] << ", bound " << bound);
+    }
+  }
+}
+
+template <class T, class C>
+void all_reduce_case(const T& topo, int n, std::size_t count, reduce_op op) {
+  const bool integer = exact<C>;
+  results out(n);
+  run_inproc(n, [&](inproc_group& g) {
+    std::vector<float> v(count);
+    for (std::size_t i = 0; i < count; ++i) v[i] = input(g.rank(), i, integer);
+    C c{};
+    all_reduce(g, std::span<float>(v), topo, c, op);
+    out.put(g.rank(), std::move(v));
+  });
+  std::vector<double> ref(count, 0.0);
+  double m = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    double a = 0;
+    for (int r = 0; r < n; ++r) ref[i] += input(r, i, integer), a += std::abs(input(r, i, integer));
+    if (op == reduce_op::average) ref[i] = static_cast<float>(static_cast<float>(ref[i]) / static_cast<float>(n));
+    m = std::max(m, a);
+  }
+  check_close<C>(out.per_rank[0], ref, m, hops(topo, n), n, op == reduce_op::average ? 1.0 / n : 1.0);
+  for (int r = 1; r < n; ++r)
+    REQUIRE(std::memcmp(out.per_rank[0].data(), out.per_rank[static_cast<std::size_t>(r)].data(), count * sizeof(float)) == 0);
+}
+
+template <class T, class C>
+void reduce_scatter_case(const T& topo, int n, std::size_t m_per) {
+  const bool integer = exact<C>;
+  const std::size_t count = m_per * static_cast<std::size_t>(n);
+  results out(n);
+  run_inproc(n, [&](inproc_group& g) {
+    std::vector<float> in(count), o(m_per, -1.0f);
+    for (std::size_t i = 0; i < count; ++i) in[i] = input(g.rank(), i, integer);
+    const auto copy = in;
+    C c{};
+    reduce_scatter(g, std::span<const float>(in), std::span<float>(o), topo, c);
+    REQUIRE(in == copy);  // the input is not touched
+    out.put(g.rank(), std::move(o));
+  });
+  double mx = 0;
+  for (int r = 0; r < n; ++r) {
+    std::vector<double> ref(m_per, 0.0);
+    for (std::size_t k = 0; k < m_per; ++k) {
+      double a = 0;
+      for (int q = 0; q < n; ++q) {
+        const float x = input(q, static_cast<std::size_t>(r) * m_per + k, integer);
+        ref[k] += x, a += std::abs(x);
+      }
+      mx = std::max(mx, a);
+    }
+    check_close<C>(out.per_rank[static_cast<std::size_t>(r)], ref, std::max(mx, 1.0), hops(topo, n), n, 1.0);
+  }
+}
+
+template <class T, class C>
+void all_gather_case(const T& topo, int n, std::size_t m_per) {
+  const bool integer = exact<C>;
+  results out(n);
+  run_inproc(n, [&](inproc_group& g) {
+    std::vector<float> in(m_per), o(m_per * static_cast<std::size_t>(n), -1.0f);
+    for (std::size_t k = 0; k < m_per; ++k) in[k] = input(g.rank(), k, integer);
+    C c{};
+    all_gather(g, std::span<const float>(in), std::span<float>(o), topo, c);
+    out.put(g.rank(), std::move(o));
+  });
+  std::vector<double> ref(m_per * static_cast<std::size_t>(n));
+  double mx = 1;
+  for (int r = 0; r < n; ++r)
+    for (std::size_t k = 0; k < m_per; ++k) {
+      ref[static_cast<std::size_t>(r) * m_per + k] = input(r, k, integer);
+      mx = std::max(mx, std::abs(ref[static_cast<std::size_t>(r) * m_per + k]));
+    }
+  check_close<C>(out.per_rank[0], ref, mx, 0, 1, 1.0);
+  for (int r = 1; r < n; ++r) REQUIRE(out.per_rank[static_cast<std::size_t>(r)] == out.per_rank[0]);
+}
+
+template <class T, class C>
+void broadcast_case(const T& topo, int n, std::size_t count, int root) {
+  const bool integer = exact<C>;
+  results out(n);
+  run_inproc(n, [&](inproc_group& g) {
+    std::vector<float> v(count, 0.0f);
+    if (g.rank() == root)
+      for (std::size_t i = 0; i < count; ++i) v[i] = input(root, i, integer);
+    C c{};
+    broadcast(g, std::span<float>(v), root, topo, c);
+    out.put(g.rank(), std::move(v));
+  });
+  std::vector<double> ref(count);
+  double mx = 1;
+  for (std::size_t i = 0; i < count; ++i) ref[i] = input(root, i, integer), mx = std::max(mx, std::abs(ref[i]));
+  check_close<C>(out.per_rank[0], ref, mx, 0, 1, 1.0);
+  for (int r = 1; r < n; ++r) REQUIRE(out.per_rank[static_cast<std::size_t>(r)] == out.per_rank[0]);
+}
+
+template <class C>
+void every_op(int n) {
+  const std::vector<std::size_t> counts = {0, 1, static_cast<std::size_t>(n - 1), 10007};
+  auto for_topologies = [&](auto&& f) {
+    f(topology::ring{});
+    f(topology::torus2d{});
+    if (n == 6) f(topology::torus2d{3, 2});
+    if (n == 8) f(topology::torus2d{4, 2});
+  };
+  for_topologies([&](const auto& topo) {
+    INFO("topology " << topo.name() << ", N = " << n);
+    for (std::size_t count : counts) {
+      INFO("count " << count);
+      all_reduce_case<std::decay_t<decltype(topo)>, C>(topo, n, count, reduce_op::sum);
+      all_reduce_case<std::decay_t<decltype(topo)>, C>(topo, n, count, reduce_op::average);
+      reduce_scatter_case<std::decay_t<decltype(topo)>, C>(topo, n, count == 10007 ? 1009 : count);
+      all_gather_case<std::decay_t<decltype(topo)>, C>(topo, n, count == 10007 ? 1009 : count);
+      broadcast_case<std::decay_t<decltype(topo)>, C>(topo, n, count, n - 1);
+    }
+  });
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks", "[collective]", codec::fp32, codec::bf16, codec::int8,
+                   codec::dyntree8, codec::error_feedback<codec::int8>) {
+  for (int n = 1; n <= 9; ++n) every_op<TestType>(n);
+}
+
+TEST_CASE("4 Mi elements: fp32 exact and dyntree8 bounded, ring and torus", "[collective][large]") {
+  const std::size_t big = std::size_t{4} << 20;
+  all_reduce_case<topology::ring, codec::fp32>({}, 4, big + 3, reduce_op::sum);
+  all_reduce_case<topology::torus2d, codec::fp32>({}, 6, big, reduce_op::sum);
+  all_reduce_case<topology::torus2d, codec::dyntree8>({}, 4, big, reduce_op::average);
+  all_reduce_case<topology::ring, codec::bf16>({}, 3, big, reduce_op::sum);
+}
+
+TEST_CASE("results are identical from run to run", "[collective]") {
+  auto once = [] {
+    std::vector<float> r0;
+    run_inproc(5, [&](inproc_group& g) {
+      std::vector<float> v(50000);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = input(g.rank(), i, false);
+      codec::dyntree8 c;
+      all_reduce(g, std::span<float>(v), topology::ring{}, c);
+      if (g.rank() == 0) r0 = v;
+    });
+    return r0;
+  };
+  const auto a = once(), b = once();
+  REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("the epilogue sees every element once, with its final value", "[collective][epilogue]") {
+  run_inproc(6, [](inproc_group& g) {
+    std::vector<float> v(100003);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = input(g.rank(), i, false);
+    std::vector<int> seen(v.size(), 0);
+    std::vector<float> at_epilogue(v.size());
+    codec::bf16 c;
+    all_reduce(g, std::span<float>(v), topology::torus2d{2, 3}, c, reduce_op::average,
+               [&](std::size_t first, std::size_t count) {
+                 for (std::size_t i = first; i < first + count; ++i) ++seen[i], at_epilogue[i] = v[i];
+               });
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      REQUIRE(seen[i] == 1);
+      REQUIRE(at_epilogue[i] == v[i]);
+    }
+    // The in-place reduce-scatter's epilogue covers exactly this rank's chunk.
+    std::fill(seen.begin(), seen.end(), 0);
+    codec::fp32 f;
+    reduce_scatter_inplace(g, std::span<float>(v), topology::ring{}, f, reduce_op::sum,
+                           [&](std::size_t first, std::size_t count) {
+                             for (std::size_t i = first; i < first + count; ++i) ++seen[i];
+                           });
+    auto [lo, hi] = chunk_range(v.size(), 6, static_cast<std::size_t>(g.rank()));
+    for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(seen[i] == (i >= lo && i < hi ? 1 : 0));
+  });
+}
+
+TEST_CASE("asynchronous all-reduces overlap the caller and keep call order", "[collective][async]") {
+  run_inproc(4, [](inproc_group& g) {
+    std::vector<std::vector<float>> buckets(5, std::vector<float>(30000));
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      for (std::size_t i = 0; i < buckets[b].size(); ++i) buckets[b][i] = static_cast<float>(g.rank() + b);
+    codec::fp32 c;
+    std::vector<request> reqs;
+    for (auto& b : buckets) reqs.push_back(all_reduce_async(g, std::span<float>(b), topology::ring{}, c));
+    std::vector<float> tail(1000, 1.0f);
+    all_reduce(g, std::span<float>(tail), topology::ring{}, c);  // blocking, queued behind the async ones
+    for (auto& r : reqs) r.wait();
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      for (float x : buckets[b]) REQUIRE(x == static_cast<float>(6 + 4 * b));
+    for (float x : tail) REQUIRE(x == 4.0f);
+  });
+}
+
+TEST_CASE("error feedback makes repeated lossy all-reduces unbiased", "[collective][ef]") {
+  run_inproc(4, [](inproc_group& g) {
+    const std::size_t n = 20000;
+    codec::error_feedback<codec::int8> ef;
+    std::vector<double> mean(n, 0.0);
+    double single = 0;
+    const int calls = 64;
+    for (int k = 0; k < calls; ++k) {
+      std::vector<float> v(n);
+      for (std::size_t i = 0; i < n; ++i) v[i] = 0.01f * input(g.rank(), i, false) + 0.001f;
+      all_reduce(g, std::span<float>(v), topology::ring{}, ef);
+      for (std::size_t i = 0; i < n; ++i) {
+        double exact = 0;
+        for (int r = 0; r < 4; ++r) exact += 0.01f * input(r, i, false) + 0.001f;
+        mean[i] += (v[i] - exact) / calls;
+        if (k == 0) single = std::max(single, std::abs(v[i] - exact));
+      }
+    }
+    double worst = 0;
+    for (double e : mean) worst = std::max(worst, std::abs(e));
+    INFO("single-call max error " << single << ", mean error over " << calls << " calls " << worst);
+    CHECK(worst * 8 < single);
+  });
+}
+
+TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[collective][errors]") {
+  group_options quick;
+  quick.timeout = 1000ms;
+  const auto t0 = std::chrono::steady_clock::now();
+
+  SECTION("mismatched counts") {
+    CHECK_THROWS_WITH(run_inproc(4, [](inproc_group& g) {
+                        std::vector<float> v(g.rank() == 2 ? 1000 : 1001);
+                        codec::fp32 c;
+                        all_reduce(g, std::span<float>(v), topology::ring{}, c);
+                      }, quick),
+                      Catch::Contains("mismatch between ranks: element count"));
+  }
+  SECTION("mismatched codecs") {
+    CHECK_THROWS_WITH(run_inproc(3, [](inproc_group& g) {
+                        std::vector<float> v(100);
+                        if (g.rank() == 0) {
+                          codec::bf16 c;
+                          all_reduce(g, std::span<float>(v), topology::ring{}, c);
+                        } else {
+                          codec::fp32 c;
+                          all_reduce(g, std::span<float>(v), topology::ring{}, c);
+                        }
+                      }, quick),
+                      Catch::Contains("codecs differ"));
+  }
+  SECTION("a rank that never calls: the others time out naming the peer") {
+    try {
+      run_inproc(3, [](inproc_group& g) {
+        if (g.rank() == 1) return;
+        std::vector<float> v(100);
+        codec::fp32 c;
+        all_reduce(g, std::span<float>(v), topology::ring{}, c);
+      }, quick);
+      FAIL("no error");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::timeout);
+      CHECK(e.peer() == 1);
+      CHECK_THAT(e.what(), Catch::Contains("all_reduce(ring, fp32) on rank"));
+      CHECK_THAT(e.what(), Catch::Contains("has not entered this collective"));
+    }
+  }
+  SECTION("null buffer, overflowing count, wrong torus shape, wrong sizes, bad root") {
+    run_inproc(2, [](inproc_group& g) {
+      codec::fp32 c;
+      CHECK_THROWS_WITH(all_reduce(g, std::span<float>(static_cast<float*>(nullptr), 5), topology::ring{}, c),
+                        Catch::Contains("null buffer with 5 elements"));
+      float x = 0;
+      CHECK_THROWS_WITH(all_reduce(g, std::span<float>(&x, std::size_t{1} << 60), topology::ring{}, c),
+                        Catch::Contains("overflows"));
+      std::vector<float> v(10), o(3);
+      CHECK_THROWS_WITH(all_reduce(g, std::span<float>(v), topology::torus2d{2, 2}, c),
+                        Catch::Contains("shape 2x2 does not match a group of 2 ranks"));
+      CHECK_THROWS_WITH(reduce_scatter(g, std::span<const float>(v), std::span<float>(o), topology::ring{}, c),
+                        Catch::Contains("input has 10 elements"));
+      CHECK_THROWS_WITH(broadcast(g, std::span<float>(v), 7, topology::ring{}, c), Catch::Contains("root 7"));
+    }, quick);
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 15s);
+}
+
+TEST_CASE("split groups: per-row and per-column all-reduces, as for distributed batch norm", "[collective][split]") {
+  run_inproc(6, [](inproc_group& g) {
+    auto row = g.split(g.rank() / 3, g.rank());
+    auto col = g.split(g.rank() % 3, g.rank());
+    std::vector<float> stats = {1.0f, static_cast<float>(g.rank()), static_cast<float>(g.rank() * g.rank())};
+    codec::fp32 c;
+    all_reduce(row, std::span<float>(stats), topology::ring{}, c);
+    const int base = (g.rank() / 3) * 3;
+    CHECK(stats[0] == 3.0f);
+    CHECK(stats[1] == static_cast<float>(3 * base + 3));
+    std::vector<float> one = {static_cast<float>(g.rank())};
+    all_reduce(col, std::span<float>(one), topology::ring{}, c);
+    CHECK(one[0] == static_cast<float>(2 * (g.rank() % 3) + 3));
+    barrier(g);
+  });
+}

@@ -1,0 +1,148 @@
+// Topologies: schedule properties checked by a symbolic execution of every rank's steps.
+// Each rank holds, per chunk, the set of ranks whose contribution it contains; a reduce must join
+// disjoint sets (a contribution counted twice is a bug), a copy overwrites. For N = 1..64 and
+// every factorisation of N, every rank must end with every chunk holding each contribution once.
+#include <lockstep/topology.hpp>
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <vector>
+
+using namespace lockstep;
+using topology::schedule;
+
+namespace {
+
+using mask = std::uint64_t;
+struct message {
+  topology::chunk_span span;
+  std::vector<mask> data;
+};
+
+// Runs all ranks' schedules against each other with FIFO channels; returns each rank's final
+// per-chunk masks. Fails the test on a deadlock, a span mismatch, or a double count.
+std::vector<std::vector<mask>> execute(const std::vector<schedule>& s, std::vector<std::vector<mask>> state) {
+  const int n = static_cast<int>(s.size());
+  std::map<std::pair<int, int>, std::deque<message>> channel;
+  std::vector<std::size_t> next(static_cast<std::size_t>(n), 0);
+  std::vector<bool> sent(static_cast<std::size_t>(n), false);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < n; ++r) {
+      auto& i = next[static_cast<std::size_t>(r)];
+      while (i < s[static_cast<std::size_t>(r)].steps.size()) {
+        const auto& st = s[static_cast<std::size_t>(r)].steps[i];
+        REQUIRE_FALSE(st.send.overlaps(st.recv));
+        if (st.send_peer >= 0 && !sent[static_cast<std::size_t>(r)]) {
+          message m{st.send, {}};
+          for (auto c = st.send.first; c < st.send.end(); ++c) m.data.push_back(state[static_cast<std::size_t>(r)][c]);
+          channel[{r, st.send_peer}].push_back(m);
+          sent[static_cast<std::size_t>(r)] = true;
+          progress = true;
+        }
+        if (st.recv_peer >= 0) {
+          auto& q = channel[{st.recv_peer, r}];
+          if (q.empty()) break;
+          message m = q.front();
+          q.pop_front();
+          REQUIRE(m.span == st.recv);
+          for (std::uint32_t k = 0; k < st.recv.count; ++k) {
+            mask& dst = state[static_cast<std::size_t>(r)][st.recv.first + k];
+            if (st.act == topology::action::reduce) {
+              REQUIRE((dst & m.data[k]) == 0);
+              dst |= m.data[k];
+            } else {
+              dst = m.data[k];
+            }
+          }
+        }
+        sent[static_cast<std::size_t>(r)] = false;
+        ++i;
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < n; ++r) REQUIRE(next[static_cast<std::size_t>(r)] == s[static_cast<std::size_t>(r)].steps.size());
+  for (auto& [k, q] : channel) REQUIRE(q.empty());
+  return state;
+}
+
+template <class T>
+void check_topology(const T& topo, int n) {
+  const mask all = n == 64 ? ~mask{0} : ((mask{1} << n) - 1);
+  std::vector<schedule> rs, ag, ar;
+  for (int r = 0; r < n; ++r) {
+    rs.push_back(topo.reduce_scatter(r, n));
+    ag.push_back(topo.all_gather(r, n));
+    ar.push_back(topology::all_reduce_schedule(topo, r, n));
+    REQUIRE(rs.back().owned == topology::chunk_span{static_cast<std::uint32_t>(r), 1});
+  }
+  // Reduce-scatter: each rank starts with its own contribution in every chunk.
+  std::vector<std::vector<mask>> own(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) own[static_cast<std::size_t>(r)].assign(static_cast<std::size_t>(n), mask{1} << r);
+  auto after_rs = execute(rs, own);
+  for (int r = 0; r < n; ++r) CHECK(after_rs[static_cast<std::size_t>(r)][static_cast<std::size_t>(r)] == all);
+  auto after_ar = execute(ar, own);
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < n; ++c) CHECK(after_ar[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)] == all);
+  // All-gather: rank r starts with only chunk r (marked by r); everyone ends with chunk c from c.
+  std::vector<std::vector<mask>> gather(static_cast<std::size_t>(n), std::vector<mask>(static_cast<std::size_t>(n), 0));
+  for (int r = 0; r < n; ++r) gather[static_cast<std::size_t>(r)][static_cast<std::size_t>(r)] = mask{1} << r;
+  auto after_ag = execute(ag, gather);
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < n; ++c) CHECK(after_ag[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)] == mask{1} << c);
+  // Broadcast from every root: everyone ends with the root's chunks.
+  for (int root = 0; root < n; root += std::max(1, n / 3)) {
+    std::vector<schedule> bc;
+    for (int r = 0; r < n; ++r) bc.push_back(topology::broadcast_schedule(topo, root, r, n));
+    std::vector<std::vector<mask>> init(static_cast<std::size_t>(n), std::vector<mask>(static_cast<std::size_t>(n), 0));
+    init[static_cast<std::size_t>(root)].assign(static_cast<std::size_t>(n), mask{1} << root);
+    auto after = execute(bc, init);
+    for (int r = 0; r < n; ++r)
+      for (int c = 0; c < n; ++c) CHECK(after[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)] == mask{1} << root);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ring: every contribution exactly once for N = 1..64", "[topology][ring]") {
+  for (int n = 1; n <= 64; ++n) {
+    INFO("N = " << n);
+    check_topology(topology::ring{}, n);
+    CHECK(topology::all_reduce_schedule(topology::ring{}, 0, n).steps.size() == static_cast<std::size_t>(2 * (n - 1)));
+  }
+}
+
+TEST_CASE("torus2d: every contribution exactly once for every factorisation of N = 1..64", "[topology][torus2d]") {
+  for (int n = 1; n <= 64; ++n)
+    for (int r = 1; r <= n; ++r) {
+      if (n % r) continue;
+      const int c = n / r;
+      INFO("N = " << n << " shape " << r << "x" << c);
+      topology::torus2d t{r, c};
+      check_topology(t, n);
+      // The latency term: 2(R + C - 2) steps instead of the ring's 2(N - 1).
+      CHECK(topology::all_reduce_schedule(t, 0, n).steps.size() == static_cast<std::size_t>(2 * (r + c - 2)));
+    }
+}
+
+TEST_CASE("torus2d picks the most square shape and rejects a wrong one", "[topology][torus2d]") {
+  CHECK(topology::torus2d{}.shape(12) == std::pair{3, 4});
+  CHECK(topology::torus2d{}.shape(16) == std::pair{4, 4});
+  CHECK(topology::torus2d{}.shape(7) == std::pair{1, 7});
+  CHECK(topology::torus2d{}.shape(1024) == std::pair{32, 32});
+  CHECK(topology::all_reduce_schedule(topology::torus2d{}, 0, 1024).steps.size() == 124u);  // the paper's 124 vs 2046
+  CHECK_THROWS_WITH(topology::torus2d({3, 3}).validate(8), Catch::Contains("shape 3x3 does not match a group of 8 ranks"));
+  CHECK_THROWS_AS(topology::torus2d({0, 4}).reduce_scatter(0, 4), lockstep::error);
+}
+
+TEST_CASE("schedules print as readable steps", "[topology]") {
+  auto s = topology::all_reduce_schedule(topology::torus2d{2, 2}, 3, 4);
+  const std::string text = s.str();
+  CHECK_THAT(text, Catch::Contains("rank 3 of 4, 4 chunks, owns chunk 3"));
+  CHECK_THAT(text, Catch::Contains("[rs] send chunks 0..1 -> 1; recv chunks 2..3 <- 1 (reduce)"));
+  CHECK_THAT(text, Catch::Contains("[ag]"));
+  static_assert(topology::topology<topology::ring> && topology::topology<topology::torus2d>);
+}
