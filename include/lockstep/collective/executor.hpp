@@ -3,8 +3,9 @@
 // For one rank, run_schedule takes the schedule its topology produced, a buffer of fp32 values, a
 // codec and a transport, and moves chunks as the steps say. Per step, the send span and the
 // receive span are cut into segments (a multiple of the codec's block, about segment_bytes each)
-// and interleaved: encode segment k, post it, then decode-add (or copy) received segment k; so the
-// neighbour decodes segment k while this rank encodes k+1. Values are summed in fp32 only; a lossy
+// and interleaved: encode segment k and post it, then decode-add (or copy) received segment k - 4;
+// so the neighbour decodes early segments while this rank still encodes later ones, and message
+// latencies within a step overlap. Values are summed in fp32 only; a lossy
 // codec quantises each partial sum once, when it is sent, and the final value once, when its owner
 // sends it to the all-gather. The wire bytes of a chunk are kept in the group's scratch and
 // forwarded unchanged by later all-gather steps, so no value is quantised twice in that phase, and
@@ -253,42 +254,47 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
           recv_reqs.push_back(t.irecv(st.recv_peer, tag, dst, msg_bytes(sg.len)));
         }
       }
-      const std::size_t rounds = std::max(sends.size(), recvs.size());
-      for (std::size_t k = 0; k < rounds; ++k) {
-        if (k < sends.size()) {
-          const segment& sg = sends[k];
-          const void* src = x + sg.lo;
-          if constexpr (!identity) {
-            if (st.phase == phase::reduce_scatter) encode(sg, 0);
-            src = sg.wire;
-          }
-          send_reqs.push_back(t.isend(st.send_peer, tag, src, msg_bytes(sg.len)));
-        }
-        if (k < recvs.size()) {
-          const segment& sg = recvs[k];
-          if constexpr (borrowing) {
-            auto v = t.borrow(st.recv_peer, tag, msg_bytes(sg.len), deadline());
-            if (!v.data && sg.len) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
-            if (reduce) {
-              codec.decode_add(v.data, sg.len, x + sg.lo);
-            } else if constexpr (identity) {
-              std::memcpy(x + sg.lo, v.data, sg.len * sizeof(float));
-            } else {
-              std::memcpy(sg.wire, v.data, msg_bytes(sg.len));
-              codec.decode(sg.wire, sg.len, x + sg.lo);
-            }
-            t.release(v);
+      // Sends run ahead of receives by `ahead` segments, so that the per-message latency of a
+      // step overlaps instead of adding up segment after segment; fp32 has nothing to encode and
+      // posts every send at once. Receive k waits only on sends posted before it on every rank,
+      // so no rank can wait on itself around the ring.
+      const std::size_t ahead = identity ? sends.size() : 4;
+      auto receive = [&](std::size_t k) {
+        const segment& sg = recvs[k];
+        if constexpr (borrowing) {
+          auto v = t.borrow(st.recv_peer, tag, msg_bytes(sg.len), deadline());
+          if (!v.data && sg.len) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+          if (reduce) {
+            codec.decode_add(v.data, sg.len, x + sg.lo);
+          } else if constexpr (identity) {
+            std::memcpy(x + sg.lo, v.data, sg.len * sizeof(float));
           } else {
-            if (!t.wait(recv_reqs[k], deadline())) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
-            if (reduce) codec.decode_add(sg.wire, sg.len, x + sg.lo);
-            else if constexpr (!identity) codec.decode(sg.wire, sg.len, x + sg.lo);
+            std::memcpy(sg.wire, v.data, msg_bytes(sg.len));
+            codec.decode(sg.wire, sg.len, x + sg.lo);
           }
-          if (!reduce && sg.last) {
-            auto [lo, hi] = chunk_of(sg.chunk);
-            ep(lo, hi - lo);
-          }
+          t.release(v);
+        } else {
+          if (!t.wait(recv_reqs[k], deadline())) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+          if (reduce) codec.decode_add(sg.wire, sg.len, x + sg.lo);
+          else if constexpr (!identity) codec.decode(sg.wire, sg.len, x + sg.lo);
         }
+        if (!reduce && sg.last) {
+          auto [lo, hi] = chunk_of(sg.chunk);
+          ep(lo, hi - lo);
+        }
+      };
+      std::size_t received = 0;
+      for (std::size_t k = 0; k < sends.size(); ++k) {
+        const segment& sg = sends[k];
+        const void* src = x + sg.lo;
+        if constexpr (!identity) {
+          if (st.phase == phase::reduce_scatter) encode(sg, 0);
+          src = sg.wire;
+        }
+        send_reqs.push_back(t.isend(st.send_peer, tag, src, msg_bytes(sg.len)));
+        while (received < recvs.size() && received + ahead <= k) receive(received++);
       }
+      while (received < recvs.size()) receive(received++);
       for (auto& r : send_reqs)
         if (!t.wait(r, deadline())) throw fail(errc::timeout, st.send_peer, timeout_text("receipt of sent data by the peer", si));
       finalize_if_due(si + 1);
