@@ -31,12 +31,19 @@ struct tensor_desc {
   bool exempt = false;     // bias or batch-norm parameter: no trust ratio, no weight decay
 };
 
-// How a sweep cuts memory. Plain values; the figures that chose them are in docs/optim.md.
+// How a sweep cuts memory. Plain values; docs/optim.md has the measurements behind them.
 struct sweep_policy {
-  std::size_t block = 4096;         // elements per sum-of-squares block (16 KiB of fp32)
-  std::size_t task = 1 << 16;       // elements per parallel task: 64 Ki x 20 B = 1.25 MiB moved
-  std::size_t wave = 1 << 19;       // elements per LARS wave: its w and g (4 MiB) stay in the
-                                    // last-level cache between the norm pass and the update
+  // Elements per sum-of-squares block (16 KiB of fp32). Changing it changes the rounding of the
+  // norms (and the device kernels use one CUDA block per param_set block).
+  std::size_t block = 4096;
+  // Elements per parallel task: 64 Ki x 20 B = 1.25 MiB moved, about 0.1 ms at 10 GB/s, so a
+  // task's claim (one atomic add) is noise and 25.6 M parameters make ~400 tasks to balance.
+  std::size_t task = 1 << 16;
+  // Elements per LARS wave: 256 Ki x 8 B = 2 MiB of w and g, read by the norm pass and read
+  // again by the update about one wave later. On the 2-core EPYC VM of docs/benchmarks.md
+  // (32 MiB L3 shared with other tenants) 128 Ki .. 512 Ki were within noise of each other and
+  // whole-model waves (no reuse) ~10 % slower; a smaller wave only adds tasks.
+  std::size_t wave = 1 << 18;
 };
 
 class param_set {
