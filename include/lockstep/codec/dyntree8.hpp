@@ -29,22 +29,25 @@ struct dyntree8_format {
 
   // The code of u = x / absmax in its low 8 bits. Branch-free and free of float comparisons so
   // that host loops vectorise: the decade is a sum of comparisons on the bit patterns (for
-  // non-negative floats integer order is float order), its power of ten a product of selects
-  // between the bit patterns of 1 and 10, the bin count 2^(6-k) an exponent. A float compare or
+  // non-negative floats integer order is float order), its power of ten a product of three
+  // selects on the bits of k, the bin count 2^(6-k) an exponent. A float compare or
   // a chain of dependent selects would leave a branch in the loop (compilers keep a possibly
   // trapping operation conditional unless told -fno-trapping-math).
   LOCKSTEP_HD static std::uint32_t code(float unit) noexcept {
     const std::uint32_t u = std::bit_cast<std::uint32_t>(unit);
-    const std::uint32_t a = u & 0x7fffffffu;  // |unit| as bits
-    constexpr std::uint32_t e1 = 0x3dcccccdu, e2 = 0x3c23d70au, e3 = 0x3a83126fu,  // 1e-1f .. 1e-3f
-        e4 = 0x38d1b717u, e5 = 0x3727c5acu, e6 = 0x358637bdu, e7 = 0x33d6bf95u;     // 1e-4f .. 1e-7f
+    // |unit| as bits; signed, since AVX2 compares signed integers in one instruction.
+    const std::int32_t a = static_cast<std::int32_t>(u & 0x7fffffffu);
+    constexpr std::int32_t e1 = 0x3dcccccd, e2 = 0x3c23d70a, e3 = 0x3a83126f,  // 1e-1f .. 1e-3f
+        e4 = 0x38d1b717, e5 = 0x3727c5ac, e6 = 0x358637bd, e7 = 0x33d6bf95;     // 1e-4f .. 1e-7f
     const std::int32_t k = (a < e1) + (a < e2) + (a < e3) + (a < e4) + (a < e5) + (a < e6);
-    auto ten_if = [](bool c) { return std::bit_cast<float>(c ? 0x41200000u : 0x3f800000u); };  // 10 : 1
-    const float s = ten_if(a < e1) * ten_if(a < e2) * ten_if(a < e3) * ten_if(a < e4) * ten_if(a < e5) * ten_if(a < e6);
+    // 10^k = 5^k * 2^k, both exact: 5^k from the bits of k, 2^k as an exponent.
+    const std::int32_t p5i = (1 + 4 * (k & 1)) * (1 + 12 * (k & 2)) * (1 + 156 * (k & 4));
+    const float p5 = static_cast<float>(p5i);
+    const float s = p5 * std::bit_cast<float>(static_cast<std::uint32_t>(127 + k) << 23);
     const float bins = std::bit_cast<float>(static_cast<std::uint32_t>(133 - k) << 23);  // 2^(6-k)
     // |u| * 10^k lies in [0.1, 1] up to rounding, so the index lies in (-1, bins]: truncation
     // makes the low end 0, and the subtraction folds the one value equal to bins into the top bin.
-    std::int32_t idx = static_cast<std::int32_t>((std::bit_cast<float>(a) * s - 0.1f) * (bins * (1.0f / 0.9f)));
+    std::int32_t idx = static_cast<std::int32_t>((std::bit_cast<float>(static_cast<std::uint32_t>(a)) * s - 0.1f) * (bins * (1.0f / 0.9f)));
     idx -= idx >> (6 - k);
     const std::int32_t keep = -static_cast<std::int32_t>(a >= e7);  // |u| < 1e-7: the zero code
     const std::int32_t sign = static_cast<std::int32_t>(u >> 31) << 7;
