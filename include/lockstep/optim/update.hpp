@@ -52,11 +52,8 @@ namespace detail {
 // when n was a constant and with shuffles at a quarter of the speed when it was not.
 #if defined(__GNUC__) || defined(__clang__)
 using lanes8 = float __attribute__((vector_size(32)));
-inline lanes8 load8(const float* p) noexcept {
-  lanes8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+// By reference: returning a 32-byte vector by value would change the ABI between -mavx and not.
+inline void load8(lanes8& v, const float* p) noexcept { std::memcpy(&v, p, sizeof v); }
 #else
 struct lanes8 {  // the same arithmetic, one lane at a time
   float x[8];
@@ -66,11 +63,7 @@ struct lanes8 {  // the same arithmetic, one lane at a time
   friend lanes8 operator*(lanes8 a, lanes8 b) noexcept { for (int i = 0; i < 8; ++i) a.x[i] *= b.x[i]; return a; }
   friend lanes8 operator*(float s, lanes8 a) noexcept { for (int i = 0; i < 8; ++i) a.x[i] *= s; return a; }
 };
-inline lanes8 load8(const float* p) noexcept {
-  lanes8 v;
-  std::memcpy(v.x, p, sizeof v.x);
-  return v;
-}
+inline void load8(lanes8& v, const float* p) noexcept { std::memcpy(v.x, p, sizeof v.x); }
 #endif
 
 template <bool W, bool G, bool D>
@@ -84,17 +77,14 @@ tensor_sums sum_squares(const float* w, const float* g, std::size_t n, float gra
     for (std::size_t k = 0; k < run; k += lanes)
       for (int h = 0; h < 2; ++h) {
         const std::size_t at = i + k + 8 * static_cast<std::size_t>(h);
-        if constexpr (W || D) {
-          const lanes8 x = load8(w + at);
-          if constexpr (W) fw[h] = fw[h] + x * x;
-          if constexpr (D) {
-            const lanes8 d = s * load8(g + at) + b * x;
-            fd[h] = fd[h] + d * d;
-          }
-        }
-        if constexpr (G) {
-          const lanes8 y = load8(g + at);
-          fg[h] = fg[h] + y * y;
+        lanes8 x, y;
+        if constexpr (W || D) load8(x, w + at);
+        if constexpr (G || D) load8(y, g + at);
+        if constexpr (W) fw[h] = fw[h] + x * x;
+        if constexpr (G) fg[h] = fg[h] + y * y;
+        if constexpr (D) {
+          const lanes8 d = s * y + b * x;
+          fd[h] = fd[h] + d * d;
         }
       }
     for (int j = 0; j < 8; ++j)
