@@ -31,7 +31,7 @@ void usage(const fashion::options& d) {
       "  --data DIR            directory of the four *-ubyte.gz IDX files (default %s)\n"
       "  --out DIR             metrics.csv, metrics.png, metrics.gp and checkpoint.bin go here (default %s)\n"
       "  --resume              continue from DIR/checkpoint.bin with the same flags; bit-for-bit the run that\n"
-      "                        was interrupted (except with --error-feedback: residuals restart at zero)\n"
+      "                        was interrupted (error-feedback residuals are in the checkpoint too)\n"
       "  --stop-after N        end after N epochs of this invocation, checkpoint written; --resume goes on\n"
       "  --train-limit N       use only the first N training images (0 = all 60000; default 0)\n"
       "  --test-limit N        use only the first N test images (0 = all 10000; default 0)\n"

@@ -12,8 +12,8 @@
 // test accuracy (each replica a slice of the test set), and rank 0 writes the CSV row, the
 // checkpoint (atomically) and the plot.
 // Limits: one process holds the whole data set (each replica thread shares it); checkpoints are
-// taken at epoch ends only; --resume with --error-feedback restarts the residuals at zero (the codec
-// does not expose them for saving), so that one combination is not bit-for-bit.
+// taken at epoch ends only. With --error-feedback the checkpoint also holds every replica's
+// quantisation residuals (gathered to rank 0), so --resume is bit-for-bit with it too.
 #pragma once
 
 #include <omp.h>
@@ -90,8 +90,12 @@ struct run_result {
 // Checkpoints: one binary file, written to "<file>.tmp" and renamed over the old one, so a crash
 // leaves either the previous checkpoint or the new one, never half of one.
 //
-//   "LSCKPT01" | u32 header words: epochs_done, global_step_lo, global_step_hi, params, running,
-//   momentum, channels[3] | u64 seed, options fingerprint | f32 params | f32 running | f32 momentum
+//   "LSCKPT02" | u32 header words: epochs_done, global_step_lo, global_step_hi, params, running,
+//   momentum, channels[3], residuals | u64 seed, options fingerprint | f32 params | f32 running |
+//   f32 momentum | f32 residuals
+// residuals: error-feedback state, empty without --error-feedback; otherwise, rank by rank, for each
+// gradient bucket in layout order, phase 0 (reduce-scatter sends) then phase 1 (all-gather encodes)
+// of that bucket's elements: ranks x 2 x params floats.
 
 inline std::uint64_t options_fingerprint(const options& o) {
   // The flags that change what a step computes; resuming under other values is refused.
@@ -108,7 +112,7 @@ inline std::uint64_t options_fingerprint(const options& o) {
 struct checkpoint {
   int epochs_done = 0;
   long long global_step = 0;
-  std::vector<float> params, running, momentum;
+  std::vector<float> params, running, momentum, residuals;
 };
 
 inline void save_checkpoint(const std::string& path, const options& o, const checkpoint& c) {
@@ -116,8 +120,8 @@ inline void save_checkpoint(const std::string& path, const options& o, const che
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     if (!f) throw std::runtime_error(tmp + ": cannot create the checkpoint file");
-    f.write("LSCKPT01", 8);
-    const std::uint32_t head[9] = {static_cast<std::uint32_t>(c.epochs_done),
+    f.write("LSCKPT02", 8);
+    const std::uint32_t head[10] = {static_cast<std::uint32_t>(c.epochs_done),
                                    static_cast<std::uint32_t>(c.global_step & 0xFFFFFFFF),
                                    static_cast<std::uint32_t>(c.global_step >> 32),
                                    static_cast<std::uint32_t>(c.params.size()),
@@ -125,11 +129,12 @@ inline void save_checkpoint(const std::string& path, const options& o, const che
                                    static_cast<std::uint32_t>(c.momentum.size()),
                                    static_cast<std::uint32_t>(o.channels[0]),
                                    static_cast<std::uint32_t>(o.channels[1]),
-                                   static_cast<std::uint32_t>(o.channels[2])};
+                                   static_cast<std::uint32_t>(o.channels[2]),
+                                   static_cast<std::uint32_t>(c.residuals.size())};
     const std::uint64_t ids[2] = {o.seed, options_fingerprint(o)};
     f.write(reinterpret_cast<const char*>(head), sizeof head);
     f.write(reinterpret_cast<const char*>(ids), sizeof ids);
-    for (const auto* v : {&c.params, &c.running, &c.momentum})
+    for (const auto* v : {&c.params, &c.running, &c.momentum, &c.residuals})
       f.write(reinterpret_cast<const char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
     f.flush();
     if (!f) throw std::runtime_error(tmp + ": write failed (disk full?)");
@@ -141,12 +146,14 @@ inline checkpoint load_checkpoint(const std::string& path, const options& o) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(path + ": no checkpoint to resume from");
   char magic[8];
-  std::uint32_t head[9];
+  std::uint32_t head[10];
   std::uint64_t ids[2];
   f.read(magic, 8);
   f.read(reinterpret_cast<char*>(head), sizeof head);
   f.read(reinterpret_cast<char*>(ids), sizeof ids);
-  if (!f || std::memcmp(magic, "LSCKPT01", 8) != 0) throw std::runtime_error(path + ": not a lockstep checkpoint");
+  if (f && std::memcmp(magic, "LSCKPT01", 8) == 0)
+    throw std::runtime_error(path + ": checkpoint of an older lockstep-train-fashion (format 01); start a new run");
+  if (!f || std::memcmp(magic, "LSCKPT02", 8) != 0) throw std::runtime_error(path + ": not a lockstep checkpoint");
   if (head[6] != static_cast<std::uint32_t>(o.channels[0]) || head[7] != static_cast<std::uint32_t>(o.channels[1]) ||
       head[8] != static_cast<std::uint32_t>(o.channels[2]))
     throw std::runtime_error(path + ": written for other --channels");
@@ -159,7 +166,8 @@ inline checkpoint load_checkpoint(const std::string& path, const options& o) {
   c.params.resize(head[3]);
   c.running.resize(head[4]);
   c.momentum.resize(head[5]);
-  for (auto* v : {&c.params, &c.running, &c.momentum})
+  c.residuals.resize(head[9]);
+  for (auto* v : {&c.params, &c.running, &c.momentum, &c.residuals})
     f.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
   if (!f) throw std::runtime_error(path + ": truncated checkpoint");
   return c;
@@ -239,6 +247,16 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
     m.params = c.params;
     m.running = c.running;
     std::copy(c.momentum.begin(), c.momentum.end(), st.momentum().begin());
+    if constexpr (lockstep::codec::feedback_codec<Codec>) {
+      const std::size_t per_rank = 2 * m.params.size();
+      if (c.residuals.size() != per_rank * static_cast<std::size_t>(R))
+        throw std::runtime_error(ckpt_path + ": holds no error-feedback residuals for " + std::to_string(R) +
+                                 " replicas");
+      const float* r = c.residuals.data() + per_rank * static_cast<std::size_t>(rank);
+      for (auto [first, last] : m.L.buckets)
+        for (int phase = 0; phase < 2; ++phase, r += last - first)
+          std::copy(r, r + (last - first), codec.residual(m.grads.data() + first, last - first, phase));
+    }
     first_epoch = c.epochs_done;
     step = c.global_step;
     if (leader && !o.quiet) std::printf("resuming %s after epoch %d (step %lld)\n", ckpt_path.c_str(), first_epoch, step);
@@ -314,6 +332,23 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
     }
     lockstep::all_reduce(world, std::span<float>(sums, 3));
 
+    // Error-feedback residuals of every replica, gathered for rank 0's checkpoint: per bucket,
+    // phases 0 and 1 (the keys the collective uses: the bucket's address and length).
+    std::vector<float> residuals;
+    if constexpr (lockstep::codec::feedback_codec<Codec>) {
+      std::vector<float> mine;
+      mine.reserve(2 * m.params.size());
+      for (auto [first, last] : m.L.buckets)
+        for (int phase = 0; phase < 2; ++phase) {
+          const float* r = codec.residual(m.grads.data() + first, last - first, phase);
+          mine.insert(mine.end(), r, r + (last - first));
+        }
+      residuals.resize(mine.size() * static_cast<std::size_t>(R));
+      lockstep::codec::fp32 c32;
+      lockstep::all_gather(world, std::span<const float>(mine), std::span<float>(residuals), lockstep::topology::ring{},
+                           c32);
+    }
+
     if (leader) {
       epoch_record rec{epoch + 1, step, std::chrono::duration<double>(clock::now() - t_run).count(),
                        steps_per_epoch * static_cast<double>(o.batch) / epoch_s,
@@ -324,7 +359,7 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
                                              << rec.seconds << ',' << rec.lr << ',' << rec.train_loss << ','
                                              << rec.test_loss << ',' << rec.test_acc << ',' << rec.images_per_s << '\n';
       checkpoint c{epoch + 1, step, m.params, m.running,
-                   std::vector<float>(st.momentum().begin(), st.momentum().end())};
+                   std::vector<float>(st.momentum().begin(), st.momentum().end()), std::move(residuals)};
       save_checkpoint(ckpt_path, o, c);
       if (!o.quiet) {
         std::printf("epoch %d: test accuracy %.2f%%  test loss %.4f  train loss %.4f  %.0f img/s  (%.0f s)\n",
