@@ -21,6 +21,7 @@
 
 #include "../core/error.hpp"
 #include "concept.hpp"
+#include "mailbox.hpp"
 
 namespace lockstep::transport {
 
@@ -34,40 +35,15 @@ struct inproc_message {
   std::atomic<bool> done{false};
 };
 
-class inproc_world {
+class inproc_world : public mailbox_world<inproc_message> {
  public:
-  explicit inproc_world(int n) : boxes_(static_cast<std::size_t>(n)), split_seq_(static_cast<std::size_t>(n), 0) {
-    for (auto& b : boxes_) b = std::make_unique<box>();
-  }
-  int size() const noexcept { return static_cast<int>(boxes_.size()); }
+  explicit inproc_world(int n) : mailbox_world(n), split_seq_(static_cast<std::size_t>(n), 0) {}
 
-  struct box {
-    std::mutex m;
-    std::condition_variable cv;
-    std::deque<std::shared_ptr<inproc_message>> q;  // posted sends addressed to this rank
-  };
-  box& at(int r) { return *boxes_[static_cast<std::size_t>(r)]; }
-
+  // Wakes the mailboxes' waiters and those of split as well.
   void abort(int rank, const std::string& reason) {
-    {
-      std::lock_guard lk(abort_m_);
-      if (aborted_.load()) return;
-      abort_rank_ = rank;
-      abort_reason_ = reason;
-      aborted_.store(true);
-    }
-    for (auto& b : boxes_) {
-      std::lock_guard lk(b->m);
-      b->cv.notify_all();
-    }
+    mailbox_world::abort(rank, reason);
     std::lock_guard lk(split_m_);
     split_cv_.notify_all();
-  }
-  bool aborted() const noexcept { return aborted_.load(std::memory_order_relaxed); }
-  [[noreturn]] void throw_aborted(const char* op, int rank) {
-    std::lock_guard lk(abort_m_);
-    throw error(errc::aborted, op, rank, abort_rank_,
-                "rank " + std::to_string(abort_rank_) + " failed: " + abort_reason_);
   }
 
   // MPI_Comm_split over threads: the k-th split call of every rank joins round k.
@@ -76,12 +52,12 @@ class inproc_world {
     std::unique_lock lk(split_m_);
     const std::uint64_t round = split_seq_[static_cast<std::size_t>(rank)]++;
     auto& r = rounds_[round];
-    if (r.entries.empty()) r.entries.assign(boxes_.size(), {0, 0, false});
+    if (r.entries.empty()) r.entries.assign(static_cast<std::size_t>(size()), {0, 0, false});
     r.entries[static_cast<std::size_t>(rank)] = {color, key, true};
     if (++r.arrived == size()) {
       std::map<int, std::vector<std::pair<int, int>>> members;  // color -> (key, rank)
       for (int i = 0; i < size(); ++i) members[r.entries[static_cast<std::size_t>(i)].color].push_back({r.entries[static_cast<std::size_t>(i)].key, i});
-      r.result.resize(boxes_.size());
+      r.result.resize(static_cast<std::size_t>(size()));
       for (auto& [c, list] : members) {
         std::sort(list.begin(), list.end());
         auto w = std::make_shared<inproc_world>(static_cast<int>(list.size()));
@@ -114,11 +90,6 @@ class inproc_world {
     std::vector<std::pair<std::shared_ptr<inproc_world>, int>> result;
   };
 
-  std::vector<std::unique_ptr<box>> boxes_;
-  std::mutex abort_m_;
-  std::atomic<bool> aborted_{false};
-  int abort_rank_ = -1;
-  std::string abort_reason_;
   std::mutex split_m_;
   std::condition_variable split_cv_;
   std::vector<std::uint64_t> split_seq_;
@@ -213,13 +184,8 @@ class inproc {
     auto& b = world_->at(rank_);
     std::shared_ptr<detail::inproc_message> m;
     auto take = [&] {
-      for (auto it = b.q.begin(); it != b.q.end(); ++it)
-        if ((*it)->src == peer && (*it)->tag == tag) {
-          m = *it;
-          b.q.erase(it);
-          return true;
-        }
-      return world_->aborted();
+      m = detail::inproc_world::take(b, peer, tag);
+      return m || world_->aborted();
     };
     {
       std::unique_lock lk(b.m);

@@ -27,6 +27,7 @@
 #include "../device/runtime.hpp"
 #include "../device/transport.hpp"
 #include "concept.hpp"
+#include "mailbox.hpp"
 
 namespace lockstep::transport {
 
@@ -42,46 +43,8 @@ struct device_message {
   bool released = false;   // `consumed` has been recorded (guarded by the sender's box mutex)
 };
 
-class inproc_device_world {
- public:
-  explicit inproc_device_world(int n) : boxes_(static_cast<std::size_t>(n)) {
-    for (auto& b : boxes_) b = std::make_unique<box>();
-  }
-  int size() const noexcept { return static_cast<int>(boxes_.size()); }
-
-  struct box {
-    std::mutex m;
-    std::condition_variable cv;
-    std::deque<std::shared_ptr<device_message>> q;  // posted sends addressed to this rank
-  };
-  box& at(int r) { return *boxes_[static_cast<std::size_t>(r)]; }
-
-  void abort(int rank, const std::string& reason) {
-    {
-      std::lock_guard lk(abort_m_);
-      if (aborted_.load()) return;
-      abort_rank_ = rank;
-      abort_reason_ = reason;
-      aborted_.store(true);
-    }
-    for (auto& b : boxes_) {
-      std::lock_guard lk(b->m);
-      b->cv.notify_all();
-    }
-  }
-  bool aborted() const noexcept { return aborted_.load(std::memory_order_relaxed); }
-  [[noreturn]] void throw_aborted(const char* op, int rank) {
-    std::lock_guard lk(abort_m_);
-    throw error(errc::aborted, op, rank, abort_rank_, "rank " + std::to_string(abort_rank_) + " failed: " + abort_reason_);
-  }
-
- private:
-  std::vector<std::unique_ptr<box>> boxes_;
-  std::mutex abort_m_;
-  std::atomic<bool> aborted_{false};
-  int abort_rank_ = -1;
-  std::string abort_reason_;
-};
+// N ranks on one GPU share mailboxes of device messages (transport/mailbox.hpp).
+using inproc_device_world = mailbox_world<device_message>;
 
 }  // namespace detail
 
@@ -174,13 +137,8 @@ class inproc_device {
     auto& b = world_->at(rank_);
     std::shared_ptr<detail::device_message> m;
     auto take = [&] {
-      for (auto it = b.q.begin(); it != b.q.end(); ++it)
-        if ((*it)->src == peer && (*it)->tag == tag) {
-          m = *it;
-          b.q.erase(it);
-          return true;
-        }
-      return world_->aborted();
+      m = detail::inproc_device_world::take(b, peer, tag);
+      return m || world_->aborted();
     };
     {
       std::unique_lock lk(b.m);
@@ -246,35 +204,15 @@ void run_inproc_device(int n, F&& f, group_options opt = {}) {
   auto world = transport::inproc_device::make_world(n);
   int dev = 0;
   device::check(cudaGetDevice(&dev), "cudaGetDevice");
-  std::mutex m;
-  std::exception_ptr first, first_aborted;
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        device::check(cudaSetDevice(dev), "cudaSetDevice", r);
-        device::stream s;  // declared before the group: the group frees its scratch on it
-        {
-          device::group<transport::inproc_device> g(transport::inproc_device(world, r, s.get()), opt);
-          f(g);
-        }
-        s.synchronize();
-      } catch (const error& e) {
-        world->abort(r, e.what());
-        std::lock_guard lk(m);
-        auto& slot = e.code() == errc::aborted ? first_aborted : first;
-        if (!slot) slot = std::current_exception();
-      } catch (const std::exception& e) {
-        world->abort(r, e.what());
-        std::lock_guard lk(m);
-        if (!first) first = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
-  if (first_aborted) std::rethrow_exception(first_aborted);
+  transport::detail::run_ranks(n, *world, [&](int r) {
+    device::check(cudaSetDevice(dev), "cudaSetDevice", r);
+    device::stream s;  // declared before the group: the group frees its scratch on it
+    {
+      device::group<transport::inproc_device> g(transport::inproc_device(world, r, s.get()), opt);
+      f(g);
+    }
+    s.synchronize();
+  });
 }
 
 }  // namespace lockstep
