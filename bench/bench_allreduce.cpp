@@ -295,7 +295,7 @@ std::vector<row> measure(std::vector<contender>& cs, std::size_t bytes, int rank
   rot.fill_all(rank);
   std::size_t cursor = 0, filled_at = 0;
   std::vector<double> total(cs.size(), 0.0);
-  const int rounds = std::min(iters, 4);
+  const int rounds = std::min(iters, 16);
   for (int r = 0; r < rounds; ++r) {
     const int batch = iters * (r + 1) / rounds - iters * r / rounds;
     for (std::size_t i = 0; i < cs.size(); ++i) {
