@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """torch.optim.SGD(foreach=True) peer for lockstep-bench-optim, driven over stdin/stdout.
 
 lockstep-bench-optim starts this script, sends the tensor sizes, then asks for one timed step at a

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Regenerates tests/golden/sgd_golden.inc: torch.optim.SGD on a few small tensors, three steps.
 
     /usr/bin/python3 tests/golden/gen_sgd.py > tests/golden/sgd_golden.inc
