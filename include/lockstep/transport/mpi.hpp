@@ -376,8 +376,7 @@ class mpi {
 
   // One look at a request: true when it has finished.
   bool poll(request& r, const char* op) {
-    match_all();
-    if (r.slot_ && !r.slot_->matched) return false;
+    if (!match_all(r.slot_.get()) && r.slot_) return false;
     if (r.slot_ && r.slot_->got >= 0) {
       r.done_ = true;
       throw error(errc::mismatch, "recv", rank(), r.peer_,
@@ -398,8 +397,10 @@ class mpi {
   // Matches every message that has arrived to the oldest receive posted for its (peer, tag).
   // Runs on every poll of every request, sends included: a peer's send may only complete once
   // this rank's receive is matched (MPI's rendezvous), so posted receives must be matched while
-  // this rank waits for anything, as MPI_Irecv would be.
-  void match_all() {
+  // this rank waits for anything, as MPI_Irecv would be. Returns whether `target` (a receive, or
+  // null) is matched, read under the lock that guards matching; once matched, a slot belongs to
+  // its request alone.
+  bool match_all(const detail::mpi_recv_slot* target) {
     std::lock_guard lk(s_->m);
     for (auto it = s_->unmatched.begin(); it != s_->unmatched.end();) {
       auto& q = it->second;
@@ -407,6 +408,7 @@ class mpi {
       // Tags carry a call number, so a queue is dropped once empty instead of kept for good.
       it = q.empty() ? s_->unmatched.erase(it) : std::next(it);
     }
+    return target && target->matched;
   }
 
   // True when a message for `head` had arrived and is now matched to it. Called with s_->m held.
