@@ -7,6 +7,8 @@
 // partial sum). Results must be bitwise identical on every rank and from run to run.
 #include <lockstep/lockstep.hpp>
 
+#include "collective_bounds.hpp"
+
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -15,6 +17,9 @@
 #include <vector>
 
 using namespace lockstep;
+using lockstep_test::delta;
+using lockstep_test::exact;
+using lockstep_test::hops;
 using namespace std::chrono_literals;
 using inproc_group = group<transport::inproc>;
 
@@ -35,20 +40,6 @@ float input(int rank, std::size_t i, bool integer) {
   return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
 }
 
-template <class C>
-double delta() {
-  if constexpr (std::is_same_v<C, codec::fp32>) return 0.0;
-  else if constexpr (std::is_same_v<C, codec::bf16>) return 1.0 / 256;
-  else if constexpr (std::is_same_v<C, codec::int8> || std::is_same_v<C, codec::error_feedback<codec::int8>>) return 1.0 / 254;
-  else return 0.9 / 64;
-}
-
-int hops(const topology::ring&, int n) { return n - 1; }
-int hops(const topology::torus2d& t, int n) {
-  auto [r, c] = t.shape(n);
-  return r + c - 2;
-}
-
 struct results {
   std::mutex m;
   std::vector<std::vector<float>> per_rank;
@@ -58,9 +49,6 @@ struct results {
     per_rank[static_cast<std::size_t>(r)] = std::move(v);
   }
 };
-
-template <class C>
-constexpr bool exact = std::is_same_v<C, codec::fp32>;
 
 // Checks y against the fp64 reference `ref` with the bound above, over [0, ref.size()).
 template <class C>

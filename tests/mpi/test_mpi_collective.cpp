@@ -11,6 +11,8 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/transport/mpi.hpp>
 
+#include "../collective_bounds.hpp"
+
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
@@ -20,6 +22,9 @@
 #include <vector>
 
 using namespace lockstep;
+using lockstep_test::delta;
+using lockstep_test::exact;
+using lockstep_test::hops;
 using namespace std::chrono_literals;
 using mpi_group = group<transport::mpi>;
 
@@ -45,22 +50,6 @@ float input(int rank, std::size_t i, bool integer) {
   const double u1 = (static_cast<double>(h >> 11) + 0.5) / 9007199254740992.0;
   const double u2 = static_cast<double>(mix(h) >> 11) / 9007199254740992.0;
   return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
-}
-
-template <class C>
-double delta() {
-  if constexpr (std::is_same_v<C, codec::fp32>) return 0.0;
-  else if constexpr (std::is_same_v<C, codec::bf16>) return 1.0 / 256;
-  else if constexpr (std::is_same_v<C, codec::int8> || std::is_same_v<C, codec::error_feedback<codec::int8>>) return 1.0 / 254;
-  else return 0.9 / 64;
-}
-template <class C>
-constexpr bool exact = std::is_same_v<C, codec::fp32>;
-
-int hops(const topology::ring&, int n) { return n - 1; }
-int hops(const topology::torus2d& t, int n) {
-  auto [r, c] = t.shape(n);
-  return r + c - 2;
 }
 
 // "" when y is within the bound of `ref` (exactly equal for fp32), else the first bad element.
