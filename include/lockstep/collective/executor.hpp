@@ -303,8 +303,15 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
       if (!t.wait(pending_headers[i], deadline()))
         throw fail(errc::timeout, to[i], timeout_text("receipt of the header by the peer", s.steps.size()));
   } catch (const error& e) {
-    // Tell the others (inproc wakes them at once) and say where we were.
+    // Tell the others (inproc wakes them at once) and say where we were. A peer may be copying
+    // our header (on this stack) right now: give it a moment to finish before the frame goes.
     t.abort(e.what());
+    for (auto& r : pending_headers) {
+      try {
+        t.wait(r, transport::clock::now() + std::chrono::milliseconds(100));
+      } catch (...) {
+      }
+    }
     if (e.op() == op.label) throw;
     throw error(e.code(), op.label, rank, e.peer(), e.detail());
   }
