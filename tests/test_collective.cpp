@@ -9,37 +9,11 @@
 
 #include "collective_bounds.hpp"
 
-#include <catch2/catch.hpp>
+// Rank threads assert: every assertion macro takes one lock (see the header). Every expression
+// asserted on a rank thread is local (no collective inside), so holding the lock while it is
+// evaluated cannot block another rank.
+#include "thread_safe_catch.hpp"
 
-#include <mutex>
-
-// Catch2 v2 assertions are not thread-safe and rank threads assert: each assertion takes one
-// lock. Every expression asserted on a rank thread is local (no collective inside), so holding
-// the lock while it is evaluated cannot block another rank.
-namespace {
-std::recursive_mutex& catch_lock() {
-  static std::recursive_mutex m;
-  return m;
-}
-}  // namespace
-#undef CHECK
-#undef REQUIRE
-#undef CHECK_THROWS_WITH
-#define CHECK(...)                                                       \
-  do {                                                                   \
-    std::lock_guard<std::recursive_mutex> catch_guard_(catch_lock());    \
-    INTERNAL_CATCH_TEST("CHECK", Catch::ResultDisposition::ContinueOnFailure, __VA_ARGS__); \
-  } while (0)
-#define REQUIRE(...)                                                     \
-  do {                                                                   \
-    std::lock_guard<std::recursive_mutex> catch_guard_(catch_lock());    \
-    INTERNAL_CATCH_TEST("REQUIRE", Catch::ResultDisposition::Normal, __VA_ARGS__); \
-  } while (0)
-#define CHECK_THROWS_WITH(expr, matcher)                                 \
-  do {                                                                   \
-    std::lock_guard<std::recursive_mutex> catch_guard_(catch_lock());    \
-    INTERNAL_CATCH_THROWS_STR_MATCHES("CHECK_THROWS_WITH", Catch::ResultDisposition::ContinueOnFailure, matcher, expr); \
-  } while (0)
 #include <cmath>
 #include <cstring>
 #include <mutex>

@@ -117,6 +117,10 @@ TEST_CASE("distributed batch norm over G = N replicas equals batch norm over the
 
   // N replicas with b images each, statistics over the group of all N.
   std::vector<float> y4(x.size()), dx4(x.size()), dg_sum(K, 0.0f), db_sum(K, 0.0f), rm4(static_cast<std::size_t>(N) * K);
+  // The ranks record their count and running statistics, the main thread asserts (Catch2 v2
+  // assertions are not thread-safe).
+  std::vector<float> cnt_of(N);
+  std::vector<std::vector<float>> rm_of(N), rv_of(N);
   std::mutex mu;
   lockstep::run_inproc(N, [&](auto& world) {
     const int r = world.rank();
@@ -135,14 +139,24 @@ TEST_CASE("distributed batch norm over G = N replicas equals batch norm over the
     batchnorm_relu_backward(dx4.data() + off, lg.data(), lb.data(), dy.data() + off, x.data() + off, m.data(), s.data(),
                             cnt, gamma.data(), beta.data(), b, K, HW, grp);
     std::lock_guard lk(mu);
-    CHECK(cnt == count);
+    cnt_of[static_cast<std::size_t>(r)] = cnt;
+    rm_of[static_cast<std::size_t>(r)] = rmr;
+    rv_of[static_cast<std::size_t>(r)] = rvr;
     for (int k = 0; k < K; ++k) {
       dg_sum[static_cast<std::size_t>(k)] += lg[static_cast<std::size_t>(k)];
       db_sum[static_cast<std::size_t>(k)] += lb[static_cast<std::size_t>(k)];
-      CHECK(rmr[static_cast<std::size_t>(k)] == Approx(rm[static_cast<std::size_t>(k)]).margin(1e-6));
-      CHECK(rvr[static_cast<std::size_t>(k)] == Approx(rv[static_cast<std::size_t>(k)]).epsilon(1e-5));
     }
   });
+  for (std::size_t r = 0; r < static_cast<std::size_t>(N); ++r) {
+    INFO("rank " << r);
+    CHECK(cnt_of[r] == count);
+    REQUIRE(rm_of[r].size() == static_cast<std::size_t>(K));
+    REQUIRE(rv_of[r].size() == static_cast<std::size_t>(K));
+    for (std::size_t k = 0; k < static_cast<std::size_t>(K); ++k) {
+      CHECK(rm_of[r][k] == Approx(rm[k]).margin(1e-6));
+      CHECK(rv_of[r][k] == Approx(rv[k]).epsilon(1e-5));
+    }
+  }
   CHECK(max_abs_diff(y, y4) < 1e-5);
   CHECK(max_abs_diff(dx, dx4) < 1e-5);
   CHECK(max_abs_diff(dg, dg_sum) < 1e-4);

@@ -3,6 +3,7 @@
 // in the same order and quantise at the same places, so any difference is a device bug. Also:
 // the asynchronous form returns while the GPU is still busy (no host synchronisation inside a
 // collective), epilogues cover every element once, and a size mismatch between ranks is an error.
+// Catch2 v2 assertions are not thread-safe: rank threads only record, the main thread asserts.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -113,7 +114,7 @@ TEST_CASE("reduce_scatter, all_gather and broadcast on inproc_device equal the h
 TEST_CASE("an asynchronous all_reduce returns while the GPU is still busy", "[device][collective]") {
   const std::size_t n = 1 << 16;
   const auto in = rank_inputs(4, n, 3);
-  std::atomic<int> returned_early{0};
+  std::atomic<int> returned_early{0}, ready_after_wait{0};  // the ranks count, the main thread asserts
   run_inproc_device(4, [&](dev_group& g) {
     auto d = test::to_device(in[g.rank()], g.stream());
     codec::dyntree8 c;
@@ -121,26 +122,29 @@ TEST_CASE("an asynchronous all_reduce returns while the GPU is still busy", "[de
     auto r = device::all_reduce_async(g, std::span<float>(d.data(), n), topology::ring{}, c);
     if (!r.ready()) ++returned_early;
     r.wait();
-    CHECK(r.ready());
+    if (r.ready()) ++ready_after_wait;
   });
   CHECK(returned_early == 4);
+  CHECK(ready_after_wait == 4);
 }
 
 TEST_CASE("the epilogue sees every element of an all_reduce exactly once", "[device][collective]") {
   const std::size_t n = 10007;
   std::mutex m;
   std::vector<std::vector<int>> seen(4, std::vector<int>(n, 0));
+  std::atomic<int> other_stream{0};  // the epilogues count, the main thread asserts
   run_inproc_device(4, [&](dev_group& g) {
     device::buffer<float> d(n, g.stream());
     LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, n * sizeof(float), g.stream()));
     codec::bf16 c;
     device::all_reduce(g, std::span<float>(d.data(), n), topology::torus2d{}, c, reduce_op::sum,
                        [&](std::size_t first, std::size_t count, cudaStream_t s) {
-                         CHECK(s == g.stream());
+                         if (s != g.stream()) ++other_stream;
                          std::lock_guard lk(m);
                          for (std::size_t i = first; i < first + count; ++i) ++seen[g.rank()][i];
                        });
   });
+  CHECK(other_stream == 0);
   for (const auto& v : seen) CHECK(std::count(v.begin(), v.end(), 1) == static_cast<long>(n));
 }
 
