@@ -138,6 +138,34 @@ TEST_CASE("dyntree8 code book is Dettmers' dynamic tree", "[codec][dyntree8]") {
   for (int c = 1; c < 127; ++c) CHECK(f::value(static_cast<std::uint8_t>(c)) < f::value(static_cast<std::uint8_t>(c + 1)));
 }
 
+// The block encoder may take a hand-vectorised path (LOCKSTEP_HOST_AVX2: Format::code8); it must
+// give Format::code()'s bits for every unit value an encoder can see. With scale 1 the unit is the
+// input itself, so sweeping inputs sweeps units: every float pattern from 0 to a little above 1
+// (the rounding of x / absmax can exceed 1 by an ulp), and negatives on a stride.
+TEMPLATE_TEST_CASE("8-bit block encoders give Format::code's bits for every unit value", "[codec]",
+                   codec::dyntree8_format, codec::linear8_format) {
+  using F = TestType;
+  constexpr std::size_t batch = 1 << 20;
+  std::vector<float> x(batch);
+  std::vector<std::uint8_t> got(batch);
+  auto sweep = [&](std::uint32_t first, std::uint32_t last, std::uint32_t stride, std::uint32_t sign) {
+    std::size_t mismatches = 0;
+    std::uint32_t first_bad = 0;
+    for (std::uint64_t lo = first; lo <= last; lo += std::uint64_t{batch} * stride) {
+      std::size_t n = 0;
+      for (std::uint64_t b = lo; b <= last && n < batch; b += stride) x[n++] = std::bit_cast<float>(static_cast<std::uint32_t>(b) | sign);
+      codec::blockwise<F>::quantize_block(x.data(), n, 1.0f, got.data());
+      for (std::size_t i = 0; i < n; ++i)
+        if (got[i] != static_cast<std::uint8_t>(F::code(x[i])) && mismatches++ == 0) first_bad = std::bit_cast<std::uint32_t>(x[i]);
+    }
+    INFO(F::name << ": first mismatch at bit pattern " << first_bad << " (AVX2 path " << LOCKSTEP_HOST_AVX2 << ")");
+    CHECK(mismatches == 0);
+  };
+  sweep(0, 0x3f800010u, 1, 0);                    // every non-negative unit
+  sweep(0, 0x3f800010u, 101, 0x80000000u);        // negatives on a stride
+  sweep(0, 0x3f800010u, 1 << 20, 0);              // odd lengths: the scalar tail after the vectors
+}
+
 TEMPLATE_TEST_CASE("8-bit codecs: exact 0 and +-absmax, bounded error, non-finite blocks", "[codec]",
                    codec::int8, codec::dyntree8) {
   TestType c;

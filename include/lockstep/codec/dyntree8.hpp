@@ -22,6 +22,10 @@
 #include "../core/config.hpp"
 #include "blockwise.hpp"
 
+#if LOCKSTEP_HOST_AVX2
+#include <immintrin.h>
+#endif
+
 namespace lockstep::codec {
 
 struct dyntree8_format {
@@ -54,6 +58,40 @@ struct dyntree8_format {
     return static_cast<std::uint32_t>(((64 >> k) | idx | sign) & keep);
   }
   LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
+
+#if LOCKSTEP_HOST_AVX2
+  // code() for 8 values at once, with code()'s roundings (so the same bits) but fewer
+  // instructions: the decade comes from compares whose constants stay memory operands, and
+  // everything that depends on it (10^k, 2^(6-k)/0.9, the top bin 2^(6-k)-1, the indicator bit)
+  // from 8-entry tables by one permute each. About 28 operations for 8 values where GCC's own
+  // vectorisation of code() takes 75, which left the encoder compute-bound.
+  static __m256i code8(__m256 unit) noexcept {
+    const __m256i u = _mm256_castps_si256(unit);
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    // minus the number of thresholds 1e-1 .. 1e-6 that |unit| reaches: k - 6, in -6..0
+    __m256i d = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3dcccccd - 1));
+    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3c23d70a - 1)));
+    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3a83126f - 1)));
+    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x38d1b717 - 1)));
+    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3727c5ac - 1)));
+    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x358637bd - 1)));
+    // A permute reads the low 3 bits of its index: k - 6 lands on entry (k + 2) mod 8.
+    // Entries are exactly the floats code() computes (a power of two times a float is exact).
+    constexpr float c = 1.0f / 0.9f;
+    const __m256 p10 = _mm256_setr_ps(1e6f, 1.0f, 1.0f, 10.0f, 100.0f, 1000.0f, 10000.0f, 100000.0f);
+    const __m256 scaled_bins = _mm256_setr_ps(1 * c, 1 * c, 64 * c, 32 * c, 16 * c, 8 * c, 4 * c, 2 * c);
+    const __m256i last_bin = _mm256_setr_epi32(0, 0, 63, 31, 15, 7, 3, 1);
+    const __m256i indicator = _mm256_setr_epi32(1, 0, 64, 32, 16, 8, 4, 2);
+    const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(p10, d)),
+                                                 _mm256_set1_ps(0.1f)),
+                                   _mm256_permutevar8x32_ps(scaled_bins, d));
+    // code()'s idx - (idx >> (6 - k)): idx lies in [0, bins], and only bins itself folds down.
+    const __m256i idx = _mm256_min_epi32(_mm256_cvttps_epi32(t), _mm256_permutevar8x32_epi32(last_bin, d));
+    const __m256i keep = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x33d6bf95 - 1));  // |unit| >= 1e-7
+    const __m256i sign = _mm256_srli_epi32(_mm256_andnot_si256(_mm256_set1_epi32(0x7fffffff), u), 24);
+    return _mm256_and_si256(_mm256_or_si256(_mm256_or_si256(_mm256_permutevar8x32_epi32(indicator, d), idx), sign), keep);
+  }
+#endif
 
   LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
     const int mag = code & 0x7f;

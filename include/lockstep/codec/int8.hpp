@@ -13,6 +13,10 @@
 #include "../core/config.hpp"
 #include "blockwise.hpp"
 
+#if LOCKSTEP_HOST_AVX2
+#include <immintrin.h>
+#endif
+
 namespace lockstep::codec {
 
 struct linear8_format {
@@ -27,6 +31,15 @@ struct linear8_format {
     return static_cast<std::uint32_t>(q) & 0xffu;
   }
   LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
+
+#if LOCKSTEP_HOST_AVX2
+  // code() for 8 values: vcvtps2dq rounds as MXCSR says, to nearest even by default, as rintf does.
+  static __m256i code8(__m256 unit) noexcept {
+    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(unit, _mm256_set1_ps(127.0f)));
+    q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
+    return _mm256_and_si256(q, _mm256_set1_epi32(0xff));
+  }
+#endif
   LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
     return static_cast<float>(static_cast<std::int8_t>(code)) / 127.0f;
   }

@@ -19,3 +19,12 @@
 #else
 #define LOCKSTEP_RESTRICT
 #endif
+
+// Host loops with hand-written AVX2 where the compiler's own vectorisation falls short (the 8-bit
+// encoders). Not under nvcc: CUDA translation units take the portable loops, which compute the
+// same bits (tests/test_codec.cpp compares the two paths).
+#if defined(__AVX2__) && !defined(__CUDACC__) && !defined(LOCKSTEP_NO_SIMD)
+#define LOCKSTEP_HOST_AVX2 1
+#else
+#define LOCKSTEP_HOST_AVX2 0
+#endif
