@@ -326,7 +326,8 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
       }, quick);
       FAIL("no error");
     } catch (const error& e) {
-      // Rank 2 waits for 1's header, rank 0 for 2's data: whichever deadline passes first reports.
+      // Rank 2 waits for 1's header, rank 0 for 1 to take its data (and header), or for 2's data:
+      // whichever deadline passes first reports.
       CHECK(e.code() == errc::timeout);
       CHECK((e.peer() == 1 || e.peer() == 2));
       CHECK_THAT(e.what(), Catch::Contains("all_reduce(ring, fp32) on rank"));
