@@ -2,7 +2,7 @@
 // the speedup of data-parallel training, and link parameters fitted from measurements.
 //
 //   lockstep-sim --ranks 16,256,4096 --bytes 64M --topology ring,torus2d --codec fp32,dyntree8
-//   lockstep-sim --fit netlab.jsonl --compare      fit alpha/beta, then predicted vs measured
+//   lockstep-sim --fit netlab.jsonl --compare      fit alpha/beta/eta, then predicted vs measured
 //   lockstep-sim --speedup --ranks 96 --params 60M --compute-ms 100
 // A table by default, one JSON object per line with --json. Every number the simulator prints is
 // the discrete-event run of the topologies' own schedules (sim/simulator.hpp); "closed" is the
@@ -67,14 +67,16 @@ void usage() {
       "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
       "  --gbit G             NIC bandwidth per direction in Gbit/s (default 1)\n"
       "  --latency-us A       per-message latency alpha (default 25)\n"
+      "  --exchange-efficiency E  fraction of the bandwidth a pairwise exchange (send peer =\n"
+      "                       receive peer: ring of 2, torus row/column of 2) gets, (0,1] (default 1)\n"
       "  --ranks-per-host K   ranks sharing one NIC (default 1)\n"
       "  --switch-gbit G      shared switch core (default 0: non-blocking)\n"
       "  --segment-bytes B    the transport's segment size (default 1M)\n"
       "  --no-handshake       leave out the executor's header exchange\n"
       "  --send-ahead         model an executor that posts a step's sends before its receives\n"
       "  --measure-gamma      measure codec encode/decode rates on this machine (else gamma = 0)\n"
-      "  --fit FILE           fit alpha and beta to the JSON lines in FILE (bytes, time_us, ranks,\n"
-      "                       topology, codec), then predict with them\n"
+      "  --fit FILE           fit alpha, beta and eta (exchange efficiency) to the JSON lines in\n"
+      "                       FILE (bytes, time_us, ranks, topology, codec), then predict with them\n"
       "  --compare            with --fit: predicted against measured for every line of FILE\n"
       "  --min-bytes B        --compare: the error summary covers sizes >= B (default 4M)\n"
       "  --speedup            data-parallel speedup: --params P (default 60M) --compute-ms T\n"
@@ -101,6 +103,11 @@ options parse(int argc, char** argv) {
       for (auto& s : split(next())) o.bytes.push_back(parse_size(s));
     } else if (a == "--gbit") o.cl.nic.bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--latency-us") o.cl.nic.latency_s = std::stod(next()) * 1e-6;
+    else if (a == "--exchange-efficiency") {
+      o.cl.nic.exchange_efficiency = std::stod(next());
+      if (!(o.cl.nic.exchange_efficiency > 0 && o.cl.nic.exchange_efficiency <= 1))
+        throw std::invalid_argument("--exchange-efficiency must be in (0, 1]");
+    }
     else if (a == "--ranks-per-host") o.cl.ranks_per_host = std::stoi(next());
     else if (a == "--switch-gbit") o.cl.switch_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--segment-bytes") o.cl.segment_bytes = static_cast<std::size_t>(parse_size(next()));
@@ -182,20 +189,27 @@ int run_fit(options& o) {
   std::vector<sim::sample> samples;
   for (auto& l : lines) {
     if (!l.count("codec") || !l.count("time_us")) continue;
-    auto t = sim::terms_of(l, models.at(l["codec"]), o.cl.segment_bytes);
+    // the model the predictions below use: same handshake and send-ahead switches
+    auto t = sim::terms_of(l, models.at(l["codec"]), o.cl.segment_bytes, o.cl.handshake, o.cl.send_ahead);
     if (!t) continue;
     const auto& c = models.at(l["codec"]);
-    samples.push_back({t->messages, t->wire_bytes, t->compute_time(c.rates), std::stod(l["time_us"]) * 1e-6});
+    samples.push_back(sim::sample_of(*t, c.rates, std::stod(l["time_us"]) * 1e-6));
   }
   const sim::fit_result f = sim::fit_alpha_beta(samples);
   o.cl.nic = f.link;
   print_gamma(o, models);
   if (o.json)
-    std::printf("{\"kind\":\"fit\",\"alpha_us\":%.3f,\"bandwidth_Gbit\":%.4f,\"samples\":%zu,\"rms_rel_err\":%.4f}\n",
-                f.link.latency_s * 1e6, f.link.bandwidth_Bps * 8 / 1e9, f.samples, f.rms_relative_error);
+    std::printf("{\"kind\":\"fit\",\"alpha_us\":%.3f,\"bandwidth_Gbit\":%.4f,\"exchange_efficiency\":%.4f,"
+                "\"samples\":%zu,\"exchange_samples\":%zu,\"alpha_pinned\":%s,\"eta_tied\":%s,\"rms_rel_err\":%.4f}\n",
+                f.link.latency_s * 1e6, f.link.bandwidth_Bps * 8 / 1e9, f.link.exchange_efficiency, f.samples,
+                f.exchange_samples, f.alpha_pinned ? "true" : "false", f.eta_tied ? "true" : "false",
+                f.rms_relative_error);
   else
-    std::printf("# fit over %zu measurements: alpha %.1f us, bandwidth %.4f Gbit/s, rms relative error %.1f%%\n",
-                f.samples, f.link.latency_s * 1e6, f.link.bandwidth_Bps * 8 / 1e9, 100 * f.rms_relative_error);
+    std::printf("# fit over %zu measurements (%zu with pairwise exchanges): alpha %.1f us%s, bandwidth %.4f Gbit/s, "
+                "exchange efficiency %.3f%s, rms relative error %.1f%%\n",
+                f.samples, f.exchange_samples, f.link.latency_s * 1e6, f.alpha_pinned ? " (pinned)" : "",
+                f.link.bandwidth_Bps * 8 / 1e9, f.link.exchange_efficiency,
+                f.eta_tied ? " (not determined or out of range: 1)" : "", 100 * f.rms_relative_error);
   if (!o.compare) return 0;
   if (!o.json)
     std::printf("%-9s %-9s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
@@ -272,10 +286,11 @@ int run_predict(const options& o) {
           if (o.json)
             std::printf("{\"kind\":\"predict\",\"topology\":\"%s\",\"codec\":\"%s\",\"ranks\":%d,\"bytes\":%.0f,"
                         "\"time_us\":%.3f,\"closed_us\":%.3f,\"simulated\":%s,\"busbw_GBps\":%.6f,\"messages\":%llu,"
-                        "\"alpha_us\":%.3f,\"bandwidth_Gbit\":%.4f,\"ranks_per_host\":%d,\"sim_wall_s\":%.3f}\n",
+                        "\"alpha_us\":%.3f,\"bandwidth_Gbit\":%.4f,\"exchange_efficiency\":%.4f,\"ranks_per_host\":%d,"
+                        "\"sim_wall_s\":%.3f}\n",
                         topo.c_str(), cn.c_str(), size, bytes, t * 1e6, p.closed_s * 1e6, p.sim_s >= 0 ? "true" : "false",
                         busbw / 1e9, static_cast<unsigned long long>(p.messages), o.cl.nic.latency_s * 1e6,
-                        o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.ranks_per_host, wall);
+                        o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency, o.cl.ranks_per_host, wall);
           else
             std::printf("%-16s %-9s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
                         p.sim_s >= 0 ? std::to_string(p.sim_s * 1e6).c_str() : "-", p.closed_s * 1e6, busbw / 1e9, wall);

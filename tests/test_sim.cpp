@@ -1,6 +1,7 @@
 // Tests of lockstep/sim: the discrete-event simulator against the closed forms where both must
 // agree exactly, its symmetric shortcut against the full event run, contention and monotonicity,
-// and the alpha/beta fit against known parameters.
+// the alpha/beta/eta fit against known parameters, and the exchange efficiency eta (pairwise
+// exchanges at eta x bandwidth) in both.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -38,6 +39,21 @@ double closed(const sim::cluster& cl, const sim::codec_model& c, int size, std::
   if (!torus) return sim::ring_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
   auto [r, cc] = sim::square_shape(size);
   return sim::torus2d_terms(r, cc, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+}
+
+// A rows x cols torus (rows = 1: a ring of cols), simulated with or without the shortcut.
+double simulate(const sim::cluster& cl, const sim::codec_model& c, int rows, int cols, std::size_t n, bool symmetric) {
+  sim::simulator s(cl, c);
+  s.set_symmetry_checks(0);
+  s.disable_symmetry(!symmetric);
+  auto r = rows == 1 ? s.all_reduce(topology::ring{}, cols, n) : s.all_reduce(topology::torus2d{rows, cols}, rows * cols, n);
+  REQUIRE(s.last_was_symmetric() == symmetric);
+  return r.time_s;
+}
+
+double closed_shape(const sim::cluster& cl, const sim::codec_model& c, int rows, int cols, std::size_t n) {
+  if (rows == 1) return sim::ring_terms(cols, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+  return sim::torus2d_terms(rows, cols, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
 }
 
 }  // namespace
@@ -182,7 +198,7 @@ TEST_CASE("the fit recovers known alpha and beta", "[sim]") {
         auto t = sim::terms_of(line, c, cl.segment_bytes);
         REQUIRE(t);
         const double seconds = t->time(truth, c.rates) * (1 + noise(rng));
-        xs.push_back({t->messages, t->wire_bytes, t->compute_time(c.rates), seconds});
+        xs.push_back(sim::sample_of(*t, c.rates, seconds));
       }
   const sim::fit_result f = sim::fit_alpha_beta(xs);
   REQUIRE(f.link.latency_s == Approx(truth.latency_s).epsilon(0.05));
@@ -213,4 +229,114 @@ TEST_CASE("closed forms match the papers' formulas in the one-segment case", "[s
   REQUIRE(t.time(l, {}) == Approx(2 * 3 * l.latency_s + 2.0 * 7 / 8 * s * l.beta()));
   REQUIRE(sim::data_parallel_speedup(96, 1.0, 0.0) == Approx(96));
   REQUIRE(sim::data_parallel_speedup(96, 1.0, 1.0) == Approx(48));
+}
+
+TEST_CASE("with exchange efficiency < 1 the simulator still equals the closed form", "[sim][exchange]") {
+  const bool send_ahead = GENERATE(false, true);
+  const bool symmetric = GENERATE(false, true);
+  const std::string name = GENERATE(as<std::string>{}, "fp32", "dyntree8");
+  const auto shape = GENERATE(std::pair{1, 2}, std::pair{1, 4}, std::pair{2, 2}, std::pair{2, 4}, std::pair{4, 4});
+  sim::cluster cl = gigabit();
+  cl.nic.exchange_efficiency = 0.57;
+  cl.send_ahead = send_ahead;
+  sim::codec_model c = sim::codec_by_name(name);
+  if (!send_ahead) c.rates = some_gamma();
+  const int size = shape.first * shape.second;
+  const std::size_t n = static_cast<std::size_t>(size) * 65536;  // several segments per step
+  CAPTURE(send_ahead, symmetric, name, shape.first, shape.second);
+  const double want = closed_shape(cl, c, shape.first, shape.second, n);
+  REQUIRE(simulate(cl, c, shape.first, shape.second, n, symmetric) == Approx(want).epsilon(1e-9));
+  // The penalty lands exactly where a step's peers coincide: rings of 2, torus rows/columns of 2.
+  sim::cluster ideal = cl;
+  ideal.nic.exchange_efficiency = 1;
+  const double t1 = closed_shape(ideal, c, shape.first, shape.second, n);
+  const bool has_exchange = shape.first == 2 || shape.second == 2;
+  if (has_exchange) REQUIRE(want > t1);
+  else REQUIRE(want == t1);
+}
+
+TEST_CASE("exchange efficiency 1 changes nothing", "[sim][exchange]") {
+  sim::codec_model c = sim::codec_by_name("dyntree8");
+  c.rates = some_gamma();
+  const std::size_t n = std::size_t{1} << 20;
+  sim::cluster cl = gigabit();
+  for (int size : {2, 4, 8}) {
+    const bool torus = size >= 4;
+    sim::cluster explicit_one = cl;
+    explicit_one.nic.exchange_efficiency = 1.0;
+    REQUIRE(full_run(cl, c, size, n, torus) == full_run(explicit_one, c, size, n, torus));
+    // eta = 1: the exchanged bytes cost beta like any other, the total is the papers' count
+    auto [r, cc] = sim::square_shape(size);
+    const sim::cost_terms t = torus ? sim::torus2d_terms(r, cc, n, c, cl.segment_bytes) : sim::ring_terms(size, n, c, cl.segment_bytes);
+    REQUIRE(t.time(cl.nic, c.rates) ==
+            Approx(t.messages * cl.nic.latency_s + t.wire_bytes() * cl.nic.beta() + t.compute_time(c.rates)).epsilon(1e-12));
+  }
+  // Which bytes are exchanges: all of a 2-ring and a 2x2 torus, none of a 4-ring.
+  REQUIRE(sim::ring_terms(4, n, c, cl.segment_bytes).exchange_bytes == 0);
+  REQUIRE(sim::ring_terms(2, n, c, cl.segment_bytes, false).oneway_bytes == 0);
+  REQUIRE(sim::torus2d_terms(2, 2, n, c, cl.segment_bytes, false).oneway_bytes == 0);
+  REQUIRE(sim::halving_doubling_terms(8, n, c, cl.segment_bytes, false).oneway_bytes == 0);
+  REQUIRE(sim::torus2d_terms(2, 4, n, c, cl.segment_bytes, false).oneway_bytes > 0);
+  REQUIRE(sim::torus2d_terms(2, 4, n, c, cl.segment_bytes, false).exchange_bytes > 0);
+}
+
+namespace {
+std::vector<sim::sample> synthetic(const sim::link_params& truth, double noise_amp, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> noise(-noise_amp, noise_amp);
+  std::vector<sim::sample> xs;
+  for (const char* name : {"fp32", "int8", "dyntree8"})
+    for (const char* topo : {"ring", "torus2d"})
+      for (int size : {2, 4, 8})
+        for (std::size_t bytes : {std::size_t{1} << 16, std::size_t{1} << 20, std::size_t{1} << 24, std::size_t{1} << 26}) {
+          sim::codec_model c = sim::codec_by_name(name);
+          c.rates = some_gamma();
+          sim::json_object line{{"topology", topo}, {"codec", name}, {"ranks", std::to_string(size)}, {"bytes", std::to_string(bytes)}};
+          auto t = sim::terms_of(line, c, std::size_t{1} << 20);
+          REQUIRE(t);
+          xs.push_back(sim::sample_of(*t, c.rates, t->time(truth, c.rates) * (1 + noise(rng))));
+        }
+  return xs;
+}
+}  // namespace
+
+TEST_CASE("the fit recovers known alpha, beta and exchange efficiency", "[sim][exchange]") {
+  const sim::link_params truth{180e-6, 110e6, 0.58};
+  SECTION("exact data") {
+    const sim::fit_result f = sim::fit_alpha_beta(synthetic(truth, 0, 1));
+    REQUIRE_FALSE(f.eta_tied);
+    REQUIRE_FALSE(f.alpha_pinned);
+    REQUIRE(f.exchange_samples > 0);
+    REQUIRE(f.link.latency_s == Approx(truth.latency_s).epsilon(1e-6));
+    REQUIRE(f.link.bandwidth_Bps == Approx(truth.bandwidth_Bps).epsilon(1e-6));
+    REQUIRE(f.link.exchange_efficiency == Approx(truth.exchange_efficiency).epsilon(1e-6));
+    REQUIRE(f.rms_relative_error < 1e-9);
+  }
+  SECTION("2% noise") {
+    const sim::fit_result f = sim::fit_alpha_beta(synthetic(truth, 0.02, 11));
+    REQUIRE(f.link.latency_s == Approx(truth.latency_s).epsilon(0.1));
+    REQUIRE(f.link.bandwidth_Bps == Approx(truth.bandwidth_Bps).epsilon(0.02));
+    REQUIRE(f.link.exchange_efficiency == Approx(truth.exchange_efficiency).epsilon(0.02));
+    REQUIRE(f.rms_relative_error < 0.02);
+  }
+}
+
+TEST_CASE("the fit keeps eta in (0, 1]", "[sim][exchange]") {
+  SECTION("no exchange rows: eta stays 1") {
+    std::vector<sim::sample> xs;
+    for (const auto& s : synthetic({50e-6, 120e6, 0.5}, 0, 3))
+      if (s.exchange_count == 0) xs.push_back(s);
+    const sim::fit_result f = sim::fit_alpha_beta(xs);
+    REQUIRE(f.eta_tied);
+    REQUIRE(f.link.exchange_efficiency == 1.0);
+    REQUIRE(f.link.bandwidth_Bps == Approx(120e6).epsilon(1e-6));
+  }
+  SECTION("exchanges faster than one-way traffic: clamped at 1 and refitted") {
+    auto xs = synthetic({50e-6, 120e6, 1.0}, 0, 3);
+    for (auto& s : xs) s.seconds -= 0.2 * s.exchange_count / 120e6;  // as if eta were 1.25
+    const sim::fit_result f = sim::fit_alpha_beta(xs);
+    REQUIRE(f.eta_tied);
+    REQUIRE(f.link.exchange_efficiency == 1.0);
+    REQUIRE(f.link.bandwidth_Bps > 0);
+  }
 }

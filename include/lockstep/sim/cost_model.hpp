@@ -5,7 +5,8 @@
 //   gamma  seconds per element of codec work: encode, decode (copy) and decode-add
 //
 // A closed form counts what lies on the critical path of one rank when every rank moves in step:
-// `messages` (segments: the executor waits for receive segment j before it posts send j+1), `wire_bytes` bytes, and the elements each codec routine touches. It counts the
+// `messages` (segments: the executor waits for receive segment j before it posts send j+1), wire
+// bytes (one-way and exchanged), and the elements each codec routine touches. It counts the
 // executor's work exactly (segments a multiple of the codec block, wire sizes from
 // codec.wire_bytes, the owner's encode + decode between the phases, no encode when an all-gather
 // forwards wire bytes) but does not overlap codec work with transfer: it is exact when a step is
@@ -15,7 +16,9 @@
 //   ring              2(N-1) alpha + 2(N-1)/N S beta
 //   2-D torus R x C   2(R+C-2) alpha + 2(N-1)/N S beta
 //   halving-doubling  2 log2(N) alpha + 2(N-1)/N S beta   (no schedule in topology/ yet: closed form only)
-// with alpha once per segment instead of once per step unless send_ahead (see add_ring).
+// with alpha once per segment instead of once per step unless send_ahead (see add_ring), and the
+// bytes of pairwise exchanges (a ring of 2, a torus row or column of 2, every halving-doubling
+// step) at beta / eta instead of beta (link_params::exchange_efficiency).
 #pragma once
 
 #include <algorithm>
@@ -32,10 +35,25 @@
 namespace lockstep::sim {
 
 // One link: what a message pays to cross it.
+//
+// exchange_efficiency (eta, in (0, 1]): the fraction of the bandwidth a rank gets for bytes it
+// sends in a step whose send peer is also its receive peer — a pairwise exchange, where both ends
+// send to each other at once over the same connection (every step of a 2-rank ring, of a ring of
+// 2 inside a torus, of halving-doubling). 1 is ideal full duplex (NCCL-style links, the default).
+// TCP over shaped links gets less: data and the reverse flow's ACKs share one queue (two-way
+// traffic, Zhang, Shenker & Clark 1991); netlab measures eta ~0.6 (docs/scaling.md). A one-way
+// ring step (send to i+1, receive from i-1) always moves at the full bandwidth.
 struct link_params {
   double latency_s = 25e-6;         // alpha
   double bandwidth_Bps = 125e6;     // 1 / beta; 125e6 = 1 Gbit/s
+  double exchange_efficiency = 1.0; // eta, see above
   constexpr double beta() const noexcept { return 1.0 / bandwidth_Bps; }
+  // Seconds per byte of a pairwise exchange: beta / eta.
+  constexpr double exchange_beta() const noexcept { return 1.0 / (bandwidth_Bps * exchange_efficiency); }
+  // The bandwidth a message gets: full one way, eta of it in an exchange.
+  constexpr double bandwidth_for(bool exchange) const noexcept {
+    return exchange ? bandwidth_Bps * exchange_efficiency : bandwidth_Bps;
+  }
 };
 
 // gamma: seconds per element of each codec routine on one core.
@@ -103,15 +121,17 @@ inline std::size_t chunk_segments(std::size_t len, std::size_t seg) { return (le
 
 // Critical-path counts of one rank; time() turns them into seconds.
 struct cost_terms {
-  double messages = 0;     // sequential steps (each pays alpha once)
-  double wire_bytes = 0;   // bytes through the rank's link, one after the other
+  double messages = 0;        // sequential steps (each pays alpha once)
+  double oneway_bytes = 0;    // bytes through the rank's link, one after the other, at beta
+  double exchange_bytes = 0;  // bytes sent in pairwise exchanges (send peer = receive peer), at beta / eta
   double encode_elems = 0;
   double decode_elems = 0;
   double decode_add_elems = 0;
 
+  double wire_bytes() const noexcept { return oneway_bytes + exchange_bytes; }
   double time(const link_params& l, const codec_rates& g) const noexcept {
-    return messages * l.latency_s + wire_bytes * l.beta() + encode_elems * g.encode_s +
-           decode_elems * g.decode_s + decode_add_elems * g.decode_add_s;
+    return messages * l.latency_s + oneway_bytes * l.beta() + exchange_bytes * l.exchange_beta() +
+           encode_elems * g.encode_s + decode_elems * g.decode_s + decode_add_elems * g.decode_add_s;
   }
   double compute_time(const codec_rates& g) const noexcept {
     return encode_elems * g.encode_s + decode_elems * g.decode_s + decode_add_elems * g.decode_add_s;
@@ -133,7 +153,8 @@ inline void add_ring(cost_terms& t, const codec_model& c, int n, std::size_t par
   // The executor posts send segment j+1 only after receive segment j arrived, so every segment,
   // not every step, pays alpha: 2(N-1) alpha of the papers is the one-segment case.
   t.messages += 2 * steps * (send_ahead ? 1.0 : static_cast<double>(part_chunks * chunk_segments(chunk, seg)));
-  t.wire_bytes += 2 * steps * bytes;
+  // A ring of two is a pairwise exchange: the rank's one peer is both next and previous.
+  (n == 2 ? t.exchange_bytes : t.oneway_bytes) += 2 * steps * bytes;
   if (!c.identity) {
     t.encode_elems += steps * elems;  // reduce-scatter sends re-encode partial sums
     t.decode_elems += steps * elems;  // all-gather receives overwrite
@@ -161,7 +182,7 @@ inline cost_terms ring_terms(int size, std::size_t n, const codec_model& c, std:
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   detail::add_ring(t, c, size, 1, chunk, seg, send_ahead);
   detail::add_finalize(t, c, size, chunk);
-  if (handshake && size > 1) t.messages += 1, t.wire_bytes += header_bytes;
+  if (handshake && size > 1) t.messages += 1, t.oneway_bytes += header_bytes;
   return t;
 }
 
@@ -175,7 +196,7 @@ inline cost_terms torus2d_terms(int rows, int cols, std::size_t n, const codec_m
   detail::add_ring(t, c, rows, static_cast<std::size_t>(cols), chunk, seg, send_ahead);
   detail::add_ring(t, c, cols, 1, chunk, seg, send_ahead);
   detail::add_finalize(t, c, size, chunk);
-  if (handshake && size > 1) t.messages += 1, t.wire_bytes += header_bytes;
+  if (handshake && size > 1) t.messages += 1, t.oneway_bytes += header_bytes;
   return t;
 }
 
@@ -191,12 +212,12 @@ inline cost_terms halving_doubling_terms(int size, std::size_t n, const codec_mo
     const double elems = static_cast<double>(half) * static_cast<double>(chunk);
     const double bytes = half * static_cast<double>(chunk_wire_bytes(c, chunk, seg));
     t.messages += send_ahead ? 2.0 : 2.0 * half * static_cast<double>(chunk_segments(chunk, seg));
-    t.wire_bytes += 2 * bytes;
+    t.exchange_bytes += 2 * bytes;  // every step is a pairwise exchange
     if (!c.identity) t.encode_elems += elems, t.decode_elems += elems;
     t.decode_add_elems += elems;
   }
   detail::add_finalize(t, c, size, chunk);
-  if (handshake && size > 1) t.messages += 1, t.wire_bytes += header_bytes;
+  if (handshake && size > 1) t.messages += 1, t.oneway_bytes += header_bytes;
   return t;
 }
 

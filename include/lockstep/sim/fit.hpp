@@ -1,15 +1,20 @@
-// lockstep/sim/fit.hpp: link parameters (alpha, beta) fitted to measured all-reduce times.
+// lockstep/sim/fit.hpp: link parameters (alpha, beta, eta) fitted to measured all-reduce times.
 //
 // A measurement is one JSON object per line (the benches' --json output) with at least
 //   "bytes"    fp32 payload of the all-reduce
 //   "time_us"  its time
 // and, to say what ran, "ranks" (or "size"), "topology" (ring, torus2d) and "codec" (fp32, bf16,
 // int8, dyntree8). Each line becomes one equation of the closed-form cost model,
-//   time - codec work = messages * alpha + wire_bytes * beta,
-// and least squares solves for alpha and beta. Rows are weighted by 1 / time so that 64 MiB runs
-// do not drown 1 MiB ones: what the fit minimises is relative error, the figure we report.
+//   time - codec work = messages * alpha + oneway_bytes * beta + exchange_bytes * beta_x,
+// beta_x = beta / eta (link_params::exchange_efficiency), and least squares solves for the three,
+// still a linear problem. Rows are weighted by 1 / time so that 64 MiB runs do not drown 1 MiB
+// ones: what the fit minimises is relative error, the figure we report.
+// Guards: a negative alpha is pinned at 0; an eta outside (0, 1] (beta_x <= 0 or beta_x < beta),
+// or data without both one-way and exchange bytes (eta not determined), ties beta_x = beta
+// (eta = 1); after either the rest is refitted.
 #pragma once
 
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <map>
@@ -23,51 +28,127 @@
 
 namespace lockstep::sim {
 
-// One equation: seconds = alpha_count * alpha + beta_count * beta + fixed_s.
+// One equation: seconds = alpha_count * alpha + beta_count * beta + exchange_count * beta / eta + fixed_s.
 struct sample {
   double alpha_count = 0;
-  double beta_count = 0;
-  double fixed_s = 0;  // known part (codec work at the measured gamma)
+  double beta_count = 0;      // one-way wire bytes
+  double fixed_s = 0;         // known part (codec work at the measured gamma)
   double seconds = 0;
+  double exchange_count = 0;  // wire bytes of pairwise exchanges
 };
+
+// The equation of a measurement whose closed-form terms are t and codec rates g.
+inline sample sample_of(const cost_terms& t, const codec_rates& g, double seconds) {
+  return {t.messages, t.oneway_bytes, t.compute_time(g), seconds, t.exchange_bytes};
+}
 
 struct fit_result {
   link_params link;
   double rms_relative_error = 0;
   std::size_t samples = 0;
+  std::size_t exchange_samples = 0;  // rows with exchange bytes
+  bool alpha_pinned = false;         // alpha came out negative: fitted with alpha = 0
+  bool eta_tied = false;             // eta not determined or outside (0, 1]: fitted with eta = 1
 };
 
-inline fit_result fit_alpha_beta(const std::vector<sample>& xs) {
-  // Weighted normal equations of the 2x2 problem; w = 1/seconds.
-  double saa = 0, sab = 0, sbb = 0, say = 0, sby = 0;
-  std::size_t used = 0;
+namespace detail {
+// Weighted least squares over the columns picked by `use` (alpha, beta, beta_x); with `tie` the
+// exchange bytes join the beta column. Returns false where the normal equations are singular.
+inline bool solve_link(const std::vector<sample>& xs, bool pin_alpha, bool tie, std::array<double, 3>& p) {
+  std::vector<int> cols;
+  if (!pin_alpha) cols.push_back(0);
+  cols.push_back(1);
+  if (!tie) cols.push_back(2);
+  const std::size_t k = cols.size();
+  double m[3][4] = {};
   for (const sample& s : xs) {
     if (!(s.seconds > 0)) continue;
-    const double w = 1.0 / s.seconds, a = s.alpha_count * w, b = s.beta_count * w, y = (s.seconds - s.fixed_s) * w;
-    saa += a * a, sab += a * b, sbb += b * b, say += a * y, sby += b * y;
+    const double w = 1.0 / s.seconds;
+    const double all[3] = {s.alpha_count * w, (s.beta_count + (tie ? s.exchange_count : 0.0)) * w, s.exchange_count * w};
+    const double y = (s.seconds - s.fixed_s) * w;
+    for (std::size_t i = 0; i < k; ++i) {
+      for (std::size_t j = 0; j < k; ++j) m[i][j] += all[cols[i]] * all[cols[j]];
+      m[i][k] += all[cols[i]] * y;
+    }
+  }
+  // Scale columns so alpha (~1e-4 s) and beta (~1e-8 s/B) are comparable, then Gauss-Jordan.
+  double scale[3] = {0, 0, 0};
+  for (std::size_t i = 0; i < k; ++i) scale[i] = m[i][i] > 0 ? 1.0 / std::sqrt(m[i][i]) : 0.0;
+  for (std::size_t i = 0; i < k; ++i) {
+    if (scale[i] == 0) return false;
+    for (std::size_t j = 0; j < k; ++j) m[i][j] *= scale[i] * scale[j];
+    m[i][k] *= scale[i];
+  }
+  for (std::size_t c = 0; c < k; ++c) {
+    std::size_t piv = c;
+    for (std::size_t r = c + 1; r < k; ++r)
+      if (std::abs(m[r][c]) > std::abs(m[piv][c])) piv = r;
+    if (std::abs(m[piv][c]) < 1e-12) return false;
+    for (std::size_t j = 0; j <= k; ++j) std::swap(m[c][j], m[piv][j]);
+    for (std::size_t r = 0; r < k; ++r) {
+      if (r == c) continue;
+      const double f = m[r][c] / m[c][c];
+      for (std::size_t j = c; j <= k; ++j) m[r][j] -= f * m[c][j];
+    }
+  }
+  p = {0, 0, 0};
+  for (std::size_t i = 0; i < k; ++i) p[static_cast<std::size_t>(cols[i])] = m[i][k] / m[i][i] * scale[i];
+  if (tie) p[2] = p[1];
+  return true;
+}
+}  // namespace detail
+
+inline fit_result fit_alpha_beta(const std::vector<sample>& xs) {
+  std::size_t used = 0, exch = 0, oneway = 0;
+  for (const sample& s : xs) {
+    if (!(s.seconds > 0)) continue;
     ++used;
+    exch += s.exchange_count > 0;
+    oneway += s.beta_count > 0;
   }
   if (used < 2) throw std::invalid_argument("fit: need at least two measurements, got " + std::to_string(used));
-  double alpha = 0, beta = 0;
-  const double det = saa * sbb - sab * sab;
-  if (std::abs(det) > 1e-12 * saa * sbb) {
-    alpha = (say * sbb - sby * sab) / det;
-    beta = (sby * saa - say * sab) / det;
+  // eta needs rows of both kinds (one-way bytes alone say nothing of it; exchange bytes alone
+  // cannot tell beta from beta / eta), and three equations for three unknowns.
+  bool tie = exch == 0 || oneway == 0 || used < 3, pin = false;
+  std::array<double, 3> p{};
+  for (int round = 0; round < 4; ++round) {
+    if (!detail::solve_link(xs, pin, tie, p)) {
+      if (!tie) {
+        tie = true;
+        continue;
+      }
+      if (!pin) {
+        pin = true;
+        continue;
+      }
+      throw std::invalid_argument("fit: the measurements do not determine the link parameters");
+    }
+    // eta = beta / beta_x must lie in (0, 1]: otherwise tie it at 1 and refit.
+    if (!tie && !(p[1] > 0 && p[2] >= p[1])) {
+      tie = true;
+      continue;
+    }
+    // A negative latency is noise on a bandwidth-bound set: pin it at 0 and refit the rest.
+    if (!pin && !(p[0] >= 0 && p[1] > 0)) {
+      pin = true;
+      continue;
+    }
+    break;
   }
-  // A negative latency is noise on a bandwidth-bound set: pin it at 0 and refit beta alone.
-  if (!(alpha >= 0) || !(beta > 0)) {
-    alpha = 0;
-    beta = sby / sbb;
-  }
-  if (!(beta > 0)) throw std::invalid_argument("fit: the measurements do not determine a positive beta");
+  const double alpha = p[0], beta = p[1], beta_x = p[2];
+  if (!(beta > 0) || !(beta_x >= beta)) throw std::invalid_argument("fit: the measurements do not determine a positive beta");
   fit_result f;
   f.link.latency_s = alpha;
   f.link.bandwidth_Bps = 1.0 / beta;
+  f.link.exchange_efficiency = tie ? 1.0 : beta / beta_x;
   f.samples = used;
+  f.exchange_samples = exch;
+  f.alpha_pinned = pin;
+  f.eta_tied = tie;
   double se = 0;
   for (const sample& s : xs) {
     if (!(s.seconds > 0)) continue;
-    const double pred = s.alpha_count * alpha + s.beta_count * beta + s.fixed_s;
+    const double pred = s.alpha_count * alpha + s.beta_count * beta + s.exchange_count * beta_x + s.fixed_s;
     se += (pred - s.seconds) * (pred - s.seconds) / (s.seconds * s.seconds);
   }
   f.rms_relative_error = std::sqrt(se / static_cast<double>(used));
@@ -143,7 +224,8 @@ inline std::pair<int, int> square_shape(int size) {
 
 // The closed-form terms of one measurement; nullopt when the line is not a lockstep all-reduce the
 // model covers (an MPI_Allreduce baseline, say, whose algorithm we do not know).
-inline std::optional<cost_terms> terms_of(const json_object& o, const codec_model& c, std::size_t segment_bytes) {
+inline std::optional<cost_terms> terms_of(const json_object& o, const codec_model& c, std::size_t segment_bytes,
+                                          bool handshake = true, bool send_ahead = false) {
   auto num = [&](const char* k) -> std::optional<double> {
     auto it = o.find(k);
     if (it == o.end()) return std::nullopt;
@@ -161,10 +243,10 @@ inline std::optional<cost_terms> terms_of(const json_object& o, const codec_mode
   const int size = static_cast<int>(*ranks);
   std::size_t n = static_cast<std::size_t>(*bytes) / sizeof(float);
   n -= n % static_cast<std::size_t>(size);  // the closed forms want equal chunks; off by < size values
-  if (topo->second == "ring") return ring_terms(size, n, c, segment_bytes);
+  if (topo->second == "ring") return ring_terms(size, n, c, segment_bytes, handshake, send_ahead);
   if (topo->second == "torus2d") {
     auto [r, cc] = square_shape(size);
-    return torus2d_terms(r, cc, n, c, segment_bytes);
+    return torus2d_terms(r, cc, n, c, segment_bytes, handshake, send_ahead);
   }
   return std::nullopt;
 }

@@ -15,7 +15,9 @@
 //     A message occupies every link of its path for bytes / bandwidth, starting when all are free
 //     (first come, first served, in order of the time it is posted), and arrives `latency` after
 //     its last byte left. Flows that share a NIC or the core therefore queue behind each other,
-//     and back-to-back segments pipeline: one latency per step, not per segment.
+//     and back-to-back segments pipeline: one latency per step, not per segment. A message of a
+//     step whose send peer is also its receive peer (a pairwise exchange) moves at
+//     exchange_efficiency x bandwidth (link_params; 1 by default).
 //   * ranks of one host talk over `local` links that are not shared (memory copies).
 //   * the handshake: before any data, a header from every peer a rank receives from.
 // What it leaves out: TCP slow start and MPI's rendezvous for large messages (both show up in
@@ -152,6 +154,9 @@ class simulator {
   simulator(const cluster& cl, const codec_model& codec) : cl_(cl), codec_(codec) {
     if (cl_.ranks_per_host < 1) throw std::invalid_argument("cluster: ranks_per_host must be >= 1");
     if (cl_.nic.bandwidth_Bps <= 0 || cl_.local.bandwidth_Bps <= 0) throw std::invalid_argument("cluster: bandwidths must be > 0");
+    for (const link_params* l : {&cl_.nic, &cl_.local})
+      if (!(l->exchange_efficiency > 0 && l->exchange_efficiency <= 1))
+        throw std::invalid_argument("cluster: exchange_efficiency must be in (0, 1]");
   }
 
   result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
@@ -236,6 +241,7 @@ class simulator {
     std::uint64_t seq;   // ties: posting order
     std::uint32_t src, dst, step, index;
     std::uint64_t bytes;
+    bool exchange;       // its step's send peer is also the receive peer
   };
   static bool later(const message& a, const message& b) noexcept {
     return a.ready != b.ready ? a.ready > b.ready : a.seq > b.seq;
@@ -350,7 +356,8 @@ class simulator {
           const std::uint64_t len = R.send.next();
           if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
           const double start = std::max({R.t, egress, ingress});
-          const double end = start + static_cast<double>(codec_.message_bytes(len)) / cl_.nic.bandwidth_Bps;
+          const double end = start + static_cast<double>(codec_.message_bytes(len)) /
+                                         cl_.nic.bandwidth_for(ru.send_peer == ru.recv_peer);
           egress = ingress = send_end = end;
           arrive.push_back(end + cl_.nic.latency_s);
           ++R.sent;
@@ -379,7 +386,7 @@ class simulator {
   void post(rank_state& R, std::uint32_t src, std::uint64_t len) {
     if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
     heap_.push_back({R.t, seq_++, src, static_cast<std::uint32_t>(R.send_peer), R.step, R.sent++,
-                     codec_.message_bytes(len)});
+                     codec_.message_bytes(len), R.send_peer == R.recv_peer});
     std::push_heap(heap_.begin(), heap_.end(), later);
     ++R.sends_pending;
     ++messages_;
@@ -462,7 +469,7 @@ class simulator {
     const int src = static_cast<int>(m.src), dst = static_cast<int>(m.dst);
     double start = m.ready, end, arrive;
     if (same_host(src, dst)) {
-      end = start + static_cast<double>(m.bytes) / cl_.local.bandwidth_Bps;
+      end = start + static_cast<double>(m.bytes) / cl_.local.bandwidth_for(m.exchange);
       arrive = end + cl_.local.latency_s;
     } else {
       const std::size_t out = 2 * static_cast<std::size_t>(src / cl_.ranks_per_host);
@@ -472,6 +479,7 @@ class simulator {
       start = std::max({start, link_free_[out], link_free_[in], shared_core ? link_free_[core] : 0.0});
       double bw = cl_.nic.bandwidth_Bps;
       if (shared_core) bw = std::min(bw, cl_.switch_bandwidth_Bps);
+      if (m.exchange) bw *= cl_.nic.exchange_efficiency;  // the connection's two-way penalty
       end = start + static_cast<double>(m.bytes) / bw;
       link_free_[out] = link_free_[in] = end;
       if (shared_core) link_free_[core] = end;
