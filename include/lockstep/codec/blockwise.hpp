@@ -32,6 +32,14 @@
 
 namespace lockstep::codec {
 
+// Whether a block with this absmax carries codes: a finite scale of at least 2^-126 (the smallest
+// normal fp32). Below it 1 / scale overflows to Inf, and x * Inf is no unit value (host and device
+// would even disagree on its code), so such a block, like an all-zero or non-finite one, is sent
+// as zeros. Shared by the host encoder and the CUDA kernels.
+LOCKSTEP_HD constexpr bool block_scale_carries(float scale) noexcept {
+  return scale >= 1.17549435e-38f && scale <= 3.40282347e+38f;  // false for NaN as well
+}
+
 template <class Format>
 class blockwise {
  public:
@@ -97,7 +105,7 @@ class blockwise {
 
   static void quantize_block(const float* LOCKSTEP_RESTRICT x, std::size_t n, float scale,
                              std::uint8_t* LOCKSTEP_RESTRICT codes) noexcept {
-    if (!(scale > 0.0f) || scale != scale) {  // all zero, or not finite: codes carry nothing
+    if (!block_scale_carries(scale)) {  // all zero, below 2^-126, or not finite: codes carry nothing
       std::memset(codes, 0, n);
       return;
     }

@@ -114,7 +114,7 @@ blockwise_encode(const float* __restrict__ x, float* __restrict__ residual, std:
     if (threadIdx.x == 0) scales[b] = scale;
 
     // As blockwise::quantize_block: an all-zero or non-finite block carries no codes.
-    const bool live = scale > 0.0f && scale == scale;
+    const bool live = codec::block_scale_carries(scale);  // the host encoder's rule (blockwise.hpp)
     const float inv = live ? __fdiv_rn(1.0f, scale) : 0.0f;
     auto emit = [&](std::size_t i, float vi) {
       const std::uint8_t c = live ? Format::quantize(__fmul_rn(vi, inv)) : std::uint8_t{0};
