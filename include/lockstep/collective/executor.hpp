@@ -11,10 +11,11 @@
 // forwarded unchanged by later all-gather steps, so no value is quantised twice in that phase, and
 // the owner replaces its own values by their decoded wire image, so every rank ends bitwise equal.
 //
-// Each rank sends every peer it will send to a header (op, count, codec, topology, root, segment
-// size, call number) and checks the header of every peer it receives from before it uses any of
-// that peer's data: a mismatch between ranks is an error naming both sides, never a truncation or
-// a hang.
+// Before any data moves, each rank sends every peer it will send to a header (op, count, codec,
+// topology, root, segment size, call number) and checks the header of every peer it will receive
+// from: a mismatch between ranks is an error naming both sides, never a truncation or a hang.
+// (Checking each header lazily, just before that peer's data is used, saves a message latency but
+// lets a rank post data and run epilogues in a call that then fails; it was tried and dropped.)
 #pragma once
 
 #include <algorithm>
@@ -168,18 +169,21 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
            std::to_string(seq) + ")";
   };
 
+  // 1. Headers: to every peer we send to, from every peer we receive from. `mine` is declared
+  // before the requests that send it, so it outlives them: a request that has not completed when
+  // the call fails withdraws its message or waits for the peer that is reading it (inproc), and
+  // only then is the header's storage gone.
+  wire_header mine;
+  mine.kind = static_cast<std::uint32_t>(op.kind);
+  mine.codec_id = codec.id();
+  mine.topology_id = op.topology_id;
+  mine.rop = static_cast<std::uint32_t>(op.rop);
+  mine.root = op.root;
+  mine.count = n;
+  mine.segment = seg;
+  mine.seq = seq;
   std::vector<typename T::request> pending_headers;
   try {
-    // 1. Headers: to every peer we send to, from every peer we receive from.
-    wire_header mine;
-    mine.kind = static_cast<std::uint32_t>(op.kind);
-    mine.codec_id = codec.id();
-    mine.topology_id = op.topology_id;
-    mine.rop = static_cast<std::uint32_t>(op.rop);
-    mine.root = op.root;
-    mine.count = n;
-    mine.segment = seg;
-    mine.seq = seq;
     std::vector<int> to, from;
     for (const auto& st : s.steps) {
       if (st.send_peer >= 0 && std::find(to.begin(), to.end(), st.send_peer) == to.end()) to.push_back(st.send_peer);
@@ -190,22 +194,12 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
     std::vector<wire_header> theirs(from.size());
     std::vector<typename T::request> header_recvs;
     for (std::size_t i = 0; i < from.size(); ++i) header_recvs.push_back(t.irecv(from[i], header_tag, &theirs[i], sizeof(wire_header)));
-    // A peer's header is checked before the first byte of its data is used, not before this rank
-    // starts sending: the check then costs no message latency of its own, which at 1 MiB is a
-    // measurable share of an all-reduce. Data sent to a peer that turns out to disagree is never
-    // read by it (it fails on our header first).
-    std::vector<bool> header_checked(from.size(), false);
-    auto check_header = [&](std::size_t i, std::size_t si) {
-      if (header_checked[i]) return;
+    for (std::size_t i = 0; i < from.size(); ++i) {
       if (!t.wait(header_recvs[i], deadline()))
-        throw fail(errc::timeout, from[i], timeout_text("header from the peer: it has not entered this collective", si));
-      header_checked[i] = true;
+        throw fail(errc::timeout, from[i], timeout_text("header from the peer: it has not entered this collective", 0));
       const std::string why = describe_mismatch(mine, theirs[i]);
       if (!why.empty()) throw fail(errc::mismatch, from[i], why);
-    };
-    auto check_header_of = [&](int peer, std::size_t si) {
-      check_header(static_cast<std::size_t>(std::find(from.begin(), from.end(), peer) - from.begin()), si);
-    };
+    }
 
     // 2. What this rank holds final before or after the reduce-scatter steps.
     const bool gathers = op.kind == op_kind::all_reduce || op.kind == op_kind::all_gather;
@@ -271,7 +265,6 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
       // so no rank can wait on itself around the ring.
       const std::size_t ahead = identity ? sends.size() : 4;
       auto receive = [&](std::size_t k) {
-        check_header_of(st.recv_peer, si);
         const segment& sg = recvs[k];
         if constexpr (borrowing) {
           auto v = t.borrow(st.recv_peer, tag, msg_bytes(sg.len), deadline());
@@ -320,20 +313,13 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
         }
       finalize_if_due(si + 1);
     }
-    for (std::size_t i = 0; i < from.size(); ++i) check_header(i, s.steps.size());
     for (std::size_t i = 0; i < pending_headers.size(); ++i)
       if (!t.wait(pending_headers[i], deadline()))
         throw fail(errc::timeout, to[i], timeout_text("receipt of the header by the peer", s.steps.size()));
   } catch (const error& e) {
-    // Tell the others (inproc wakes them at once) and say where we were. A peer may be copying
-    // our header (on this stack) right now: give it a moment to finish before the frame goes.
+    // Tell the others (inproc wakes them at once) and say where we were. Sends still pending are
+    // settled by their requests' destructors on the way out (see above).
     t.abort(e.what());
-    for (auto& r : pending_headers) {
-      try {
-        t.wait(r, transport::clock::now() + std::chrono::milliseconds(100));
-      } catch (...) {
-      }
-    }
     if (e.op() == op.label) throw;
     throw error(e.code(), op.label, rank, e.peer(), e.detail());
   }

@@ -11,6 +11,10 @@
 //   t.abort(reason)                        tell the other ranks this one failed (best effort)
 //   t.name(), T::segment_bytes             printable name; segment size that pipelines well
 // Messages between one pair of ranks with one tag are matched in the order they were sent.
+// Destroying a send request that has not completed (its collective failed) must leave the peer no
+// way to read the data afterwards: the transport withdraws the message, waits briefly for a peer
+// that is reading it, or has copied the bytes already (an eager send), so the sender may free them.
+// Where MPI cannot cancel a send, mpi.hpp says what the caller must keep alive instead.
 //
 // A borrowing transport (ranks share memory) can also hand the receiver the sender's bytes:
 //   t.borrow(peer, tag, bytes, deadline) -> view   (view.data == nullptr: the deadline passed)

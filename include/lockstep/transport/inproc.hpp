@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../core/error.hpp"
@@ -104,6 +105,10 @@ class inproc {
   // small enough that a neighbour can start decoding while the sender still encodes.
   static constexpr std::size_t segment_bytes = std::size_t{1} << 20;
 
+  // One posted send or receive; move-only. A send that is destroyed before it completed (its
+  // collective failed) settles before the sender's memory can go: a message the peer has not
+  // taken is withdrawn from its mailbox, and one the peer is reading is waited for (reading takes
+  // no waiting of its own, so this is short; it is bounded all the same).
   struct request {
     std::shared_ptr<detail::inproc_message> msg;  // send: our posted message
     void* dst = nullptr;                          // recv: where to copy
@@ -112,6 +117,48 @@ class inproc {
     std::uint32_t tag = 0;
     bool recv = false;
     bool done = false;
+    std::shared_ptr<detail::inproc_world> world;  // send: where msg was posted
+
+    request() = default;
+    request(std::shared_ptr<detail::inproc_message> m, void* d, std::size_t b, int p, std::uint32_t t, bool r,
+            std::shared_ptr<detail::inproc_world> w)
+        : msg(std::move(m)), dst(d), bytes(b), peer(p), tag(t), recv(r), world(std::move(w)) {}
+    request(request&& o) noexcept { *this = std::move(o); }
+    request& operator=(request&& o) noexcept {
+      if (this != &o) {
+        settle();
+        msg = std::move(o.msg);
+        dst = o.dst;
+        bytes = o.bytes;
+        peer = o.peer;
+        tag = o.tag;
+        recv = o.recv;
+        done = std::exchange(o.done, true);
+        world = std::move(o.world);
+      }
+      return *this;
+    }
+    request(const request&) = delete;
+    request& operator=(const request&) = delete;
+    ~request() { settle(); }
+
+   private:
+    void settle() noexcept {
+      if (done || recv || !msg || !world) return;
+      done = true;
+      {
+        auto& b = world->at(peer);
+        std::lock_guard lk(b.m);
+        auto it = std::find(b.q.begin(), b.q.end(), msg);
+        if (it != b.q.end()) {
+          b.q.erase(it);
+          return;
+        }
+      }
+      auto& sb = world->at(msg->src);
+      std::unique_lock lk(sb.m);
+      sb.cv.wait_for(lk, std::chrono::seconds(10), [&] { return msg->done.load(std::memory_order_acquire); });
+    }
   };
   struct view {
     std::shared_ptr<detail::inproc_message> msg;
@@ -145,12 +192,12 @@ class inproc {
       b.q.push_back(m);
     }
     b.cv.notify_all();
-    return request{std::move(m), nullptr, bytes, peer, tag, false, false};
+    return request{std::move(m), nullptr, bytes, peer, tag, false, world_};
   }
 
   request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
     check_peer(peer, "recv");
-    return request{nullptr, data, bytes, peer, tag, true, false};
+    return request{nullptr, data, bytes, peer, tag, true, nullptr};
   }
 
   bool wait(request& r, clock::time_point deadline) {
@@ -183,9 +230,12 @@ class inproc {
     check_peer(peer, "recv");
     auto& b = world_->at(rank_);
     std::shared_ptr<detail::inproc_message> m;
+    // Nothing is taken once the world has aborted: the failing sender may be about to withdraw
+    // its messages and free their memory.
     auto take = [&] {
+      if (world_->aborted()) return true;
       m = detail::inproc_world::take(b, peer, tag);
-      return m || world_->aborted();
+      return m != nullptr;
     };
     {
       std::unique_lock lk(b.m);
