@@ -35,12 +35,6 @@ double full_run(const sim::cluster& cl, const sim::codec_model& c, int size, std
   return r.time_s;
 }
 
-double closed(const sim::cluster& cl, const sim::codec_model& c, int size, std::size_t n, bool torus) {
-  if (!torus) return sim::ring_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
-  auto [r, cc] = sim::square_shape(size);
-  return sim::torus2d_terms(r, cc, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
-}
-
 // A rows x cols torus (rows = 1: a ring of cols), simulated with or without the shortcut.
 double simulate(const sim::cluster& cl, const sim::codec_model& c, int rows, int cols, std::size_t n, bool symmetric) {
   sim::simulator s(cl, c);
@@ -54,6 +48,12 @@ double simulate(const sim::cluster& cl, const sim::codec_model& c, int rows, int
 double closed_shape(const sim::cluster& cl, const sim::codec_model& c, int rows, int cols, std::size_t n) {
   if (rows == 1) return sim::ring_terms(cols, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
   return sim::torus2d_terms(rows, cols, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+}
+
+// The closed form of a ring of `size`, or of the most square torus of that size.
+double closed(const sim::cluster& cl, const sim::codec_model& c, int size, std::size_t n, bool torus) {
+  const auto [r, cc] = torus ? sim::square_shape(size) : std::pair{1, size};
+  return closed_shape(cl, c, r, cc, n);
 }
 
 }  // namespace

@@ -66,12 +66,7 @@ class blockwise {
     std::uint8_t* LOCKSTEP_RESTRICT codes = reinterpret_cast<std::uint8_t*>(out) + nb * sizeof(float);
     for (std::size_t b = 0; b < nb; ++b) {
       const std::size_t lo = b * block_, len = std::min(block_, n - lo);
-#if LOCKSTEP_HOST_AVX2
-      // The encoder computes long enough per line that the hardware prefetcher falls behind:
-      // ask for the input a few KiB ahead (a prefetch past the end is harmless, it never faults).
-      const auto ahead = reinterpret_cast<std::uintptr_t>(in + lo) + 8192;
-      for (std::size_t i = 0; i < len * sizeof(float); i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
-#endif
+      prefetch_ahead(in + lo, len);
       const float scale = absmax(in + lo, len);
       std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
       quantize_block(in + lo, len, scale, codes + lo);
@@ -149,6 +144,16 @@ class blockwise {
   }
 
  private:
+  // Asks for the fp32 values 8 KiB past [p, p + n), one request per cache line: the 8-bit loops
+  // compute long enough per line that the hardware prefetcher falls behind. A prefetch past the
+  // end of a buffer is harmless (it never faults); without AVX2 this does nothing.
+  static void prefetch_ahead([[maybe_unused]] const float* p, [[maybe_unused]] std::size_t n) noexcept {
+#if LOCKSTEP_HOST_AVX2
+    const auto ahead = reinterpret_cast<std::uintptr_t>(p) + 8192;
+    for (std::size_t i = 0; i < n * sizeof(float); i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
+#endif
+  }
+
   // out[i] = value, or out[i] += value when Add.
   template <bool Add>
   void walk(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT out) const noexcept {
@@ -159,12 +164,7 @@ class blockwise {
       float scale;
       std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
       const std::size_t lo = b * block_, hi = std::min(n, lo + block_);
-#if LOCKSTEP_HOST_AVX2
-      if constexpr (Add) {  // the accumulator is read too: fetch it ahead, as encode does its input
-        const auto ahead = reinterpret_cast<std::uintptr_t>(out + lo) + 8192;
-        for (std::size_t i = 0; i < (hi - lo) * sizeof(float); i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
-      }
-#endif
+      if constexpr (Add) prefetch_ahead(out + lo, hi - lo);  // the accumulator is read too
       for (std::size_t i = lo; i < hi; ++i) {
         if constexpr (Add) out[i] += t[codes[i]] * scale;
         else out[i] = t[codes[i]] * scale;

@@ -130,8 +130,7 @@ struct cost_terms {
 
   double wire_bytes() const noexcept { return oneway_bytes + exchange_bytes; }
   double time(const link_params& l, const codec_rates& g) const noexcept {
-    return messages * l.latency_s + oneway_bytes * l.beta() + exchange_bytes * l.exchange_beta() +
-           encode_elems * g.encode_s + decode_elems * g.decode_s + decode_add_elems * g.decode_add_s;
+    return messages * l.latency_s + oneway_bytes * l.beta() + exchange_bytes * l.exchange_beta() + compute_time(g);
   }
   double compute_time(const codec_rates& g) const noexcept {
     return encode_elems * g.encode_s + decode_elems * g.decode_s + decode_add_elems * g.decode_add_s;
