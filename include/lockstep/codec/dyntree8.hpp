@@ -30,13 +30,24 @@ namespace lockstep::codec {
 
 struct dyntree8_format {
   static constexpr std::string_view name = "dyntree8";
+  static constexpr float inv_09 = 1.0f / 0.9f;
+  static constexpr float eight_ninths = 8.0f / 9.0f;
 
   // The code of u = x / absmax in its low 8 bits. Branch-free and free of float comparisons so
   // that host loops vectorise: the decade is a sum of comparisons on the bit patterns (for
   // non-negative floats integer order is float order), its power of ten a product of three
-  // selects on the bits of k, the bin count 2^(6-k) an exponent. A float compare or
-  // a chain of dependent selects would leave a branch in the loop (compilers keep a possibly
-  // trapping operation conditional unless told -fno-trapping-math).
+  // selects on the bits of k, the bin count 2^(6-k) an exponent. A float compare or a chain of
+  // dependent selects would leave a branch in the loop (compilers keep a possibly trapping
+  // operation conditional unless told -fno-trapping-math).
+  //
+  // The magnitude is the indicator bit plus the bin index in one number:
+  //   2^(6-k) + floor((|u| 10^k - 0.1) 2^(6-k) / 0.9) = floor(2^(6-k) (|u| 10^k / 0.9 + 8/9)),
+  // computed as one multiply by the per-decade constant 10^k/0.9 (a table of 7 floats for
+  // code8), one add, and an exact scaling by 2^(6-k). The roundings of those two operations
+  // decide the code only within an ulp of a bin edge (a value there may take the neighbouring
+  // code, whose midpoint is as close); host, device and code8 perform the same two.
+  // |u| 10^k reaches 1 only at the top of a decade: for k > 0 the result is then the first bin
+  // of the decade above (the nearest code), for k = 0 the top magnitude 0x7f by the clamp.
   LOCKSTEP_HD static std::uint32_t code(float unit) noexcept {
     const std::uint32_t u = std::bit_cast<std::uint32_t>(unit);
     // |unit| as bits; signed, since AVX2 compares signed integers in one instruction.
@@ -46,25 +57,24 @@ struct dyntree8_format {
     const std::int32_t k = (a < e1) + (a < e2) + (a < e3) + (a < e4) + (a < e5) + (a < e6);
     // 10^k = 5^k * 2^k, both exact: 5^k from the bits of k, 2^k as an exponent.
     const std::int32_t p5i = (1 + 4 * (k & 1)) * (1 + 12 * (k & 2)) * (1 + 156 * (k & 4));
-    const float p5 = static_cast<float>(p5i);
-    const float s = p5 * std::bit_cast<float>(static_cast<std::uint32_t>(127 + k) << 23);
+    const float p10 = static_cast<float>(p5i) * std::bit_cast<float>(static_cast<std::uint32_t>(127 + k) << 23);
+    const float per_decade = p10 * inv_09;  // rounded once, like code8's table entries
+    const float v = std::bit_cast<float>(a) * per_decade + eight_ninths;
     const float bins = std::bit_cast<float>(static_cast<std::uint32_t>(133 - k) << 23);  // 2^(6-k)
-    // |u| * 10^k lies in [0.1, 1] up to rounding, so the index lies in (-1, bins]: truncation
-    // makes the low end 0, and the subtraction folds the one value equal to bins into the top bin.
-    std::int32_t idx = static_cast<std::int32_t>((std::bit_cast<float>(static_cast<std::uint32_t>(a)) * s - 0.1f) * (bins * (1.0f / 0.9f)));
-    idx -= idx >> (6 - k);
+    std::int32_t mag = static_cast<std::int32_t>(v * bins);  // exact product, truncated
+    mag = mag < 0x7f ? mag : 0x7f;
     const std::int32_t keep = -static_cast<std::int32_t>(a >= e7);  // |u| < 1e-7: the zero code
     const std::int32_t sign = static_cast<std::int32_t>(u >> 31) << 7;
-    return static_cast<std::uint32_t>(((64 >> k) | idx | sign) & keep);
+    return static_cast<std::uint32_t>((mag | sign) & keep);
   }
   LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
 
 #if LOCKSTEP_HOST_AVX2
-  // code() for 8 values at once, with code()'s roundings (so the same bits) but fewer
-  // instructions: the decade comes from compares whose constants stay memory operands, and
-  // everything that depends on it (10^k, 2^(6-k)/0.9, the top bin 2^(6-k)-1, the indicator bit)
-  // from 8-entry tables by one permute each. About 28 operations for 8 values where GCC's own
-  // vectorisation of code() takes 75, which left the encoder compute-bound.
+  // code() for 8 values at once, the same operations in the same order (so the same bits): the
+  // decade from six compares, 10^k/0.9 from an 8-entry table by one permute, the scaling by
+  // 2^(6-k) as an integer add to the exponent. About 22 operations and a single lane-crossing
+  // permute for 8 values (an earlier form took four permutes, each 4 cycles of throughput on
+  // Zen 1, and left the encoder compute-bound); GCC's own vectorisation of code() takes 75.
   static __m256i code8(__m256 unit) noexcept {
     const __m256i u = _mm256_castps_si256(unit);
     const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
@@ -75,21 +85,19 @@ struct dyntree8_format {
     d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x38d1b717 - 1)));
     d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3727c5ac - 1)));
     d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x358637bd - 1)));
-    // A permute reads the low 3 bits of its index: k - 6 lands on entry (k + 2) mod 8.
-    // Entries are exactly the floats code() computes (a power of two times a float is exact).
-    constexpr float c = 1.0f / 0.9f;
-    const __m256 p10 = _mm256_setr_ps(1e6f, 1.0f, 1.0f, 10.0f, 100.0f, 1000.0f, 10000.0f, 100000.0f);
-    const __m256 scaled_bins = _mm256_setr_ps(1 * c, 1 * c, 64 * c, 32 * c, 16 * c, 8 * c, 4 * c, 2 * c);
-    const __m256i last_bin = _mm256_setr_epi32(0, 0, 63, 31, 15, 7, 3, 1);
-    const __m256i indicator = _mm256_setr_epi32(1, 0, 64, 32, 16, 8, 4, 2);
-    const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(p10, d)),
-                                                 _mm256_set1_ps(0.1f)),
-                                   _mm256_permutevar8x32_ps(scaled_bins, d));
-    // code()'s idx - (idx >> (6 - k)): idx lies in [0, bins], and only bins itself folds down.
-    const __m256i idx = _mm256_min_epi32(_mm256_cvttps_epi32(t), _mm256_permutevar8x32_epi32(last_bin, d));
+    // A permute reads the low 3 bits of its index: k - 6 lands on entry (k + 2) mod 8 (entry 1
+    // is never read). Entries are code()'s per_decade: 10^k (exact) times inv_09, rounded once.
+    const __m256 per_decade = _mm256_setr_ps(1e6f * inv_09, 0.0f, 1.0f * inv_09, 10.0f * inv_09, 100.0f * inv_09,
+                                             1000.0f * inv_09, 10000.0f * inv_09, 100000.0f * inv_09);
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(per_decade, d)),
+                                   _mm256_set1_ps(eight_ninths));
+    // v * 2^(6-k), exact: 6 - k = -d added to the exponent field (v lies in about [8/9, 2], far from
+    // overflow and subnormals).
+    const __m256i scaled = _mm256_sub_epi32(_mm256_castps_si256(v), _mm256_slli_epi32(d, 23));
+    const __m256i mag = _mm256_min_epi32(_mm256_cvttps_epi32(_mm256_castsi256_ps(scaled)), _mm256_set1_epi32(0x7f));
     const __m256i keep = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x33d6bf95 - 1));  // |unit| >= 1e-7
     const __m256i sign = _mm256_srli_epi32(_mm256_andnot_si256(_mm256_set1_epi32(0x7fffffff), u), 24);
-    return _mm256_and_si256(_mm256_or_si256(_mm256_or_si256(_mm256_permutevar8x32_epi32(indicator, d), idx), sign), keep);
+    return _mm256_and_si256(_mm256_or_si256(mag, sign), keep);
   }
 #endif
 
