@@ -131,14 +131,14 @@ TEST_CASE("dyntree8 code book is Dettmers' dynamic tree", "[codec][dyntree8]") {
   CHECK(f::value(0x00) == 0.0f);
   // Every code's value encodes back to that code: midpoints lie inside their own bins.
   for (int c = 0; c < 256; ++c) {
-    if (c == 0x80) continue;  // negative zero is never produced
+    if (c == 0x80) continue;  // negative zero: decodes to 0, which encodes to 0x00
     CHECK(f::quantize(f::value(static_cast<std::uint8_t>(c))) == c);
   }
   // Magnitudes are ordered like their codes.
   for (int c = 1; c < 127; ++c) CHECK(f::value(static_cast<std::uint8_t>(c)) < f::value(static_cast<std::uint8_t>(c + 1)));
 }
 
-// The block encoder may take a hand-vectorised path (LOCKSTEP_HOST_AVX2: Format::code8); it must
+// The block encoder may take a hand-vectorised path (LOCKSTEP_HOST_AVX2: Format::codes32); it must
 // give Format::code()'s bits for every unit value an encoder can see. With scale 1 the unit is the
 // input itself, so sweeping inputs sweeps units: every float pattern from 0 to a little above 1
 // (the rounding of x / absmax can exceed 1 by an ulp), and negatives on a stride.

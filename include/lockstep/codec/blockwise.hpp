@@ -11,7 +11,8 @@
 //
 // A Format provides (as __host__ __device__ element math, shared with the CUDA kernels):
 //   Format::name, Format::code(float unit) -> uint32_t (the code in the low 8 bits),
-//   Format::quantize(float unit) -> uint8_t, Format::value(uint8_t) -> float,
+//   Format::quantize(float unit) -> uint8_t, Format::value(uint8_t) -> float, and optionally
+//   (host, AVX2) Format::codes32(const float* x, __m256 inv) -> 32 codes of x[i] * inv in order,
 // with value(quantize(+-1)) == +-1 and value(quantize(0)) == 0 so that 0 and +-absmax round-trip
 // exactly.
 #pragma once
@@ -39,6 +40,15 @@ namespace lockstep::codec {
 LOCKSTEP_HD constexpr bool block_scale_carries(float scale) noexcept {
   return scale >= 1.17549435e-38f && scale <= 3.40282347e+38f;  // false for NaN as well
 }
+
+#if LOCKSTEP_HOST_AVX2
+// Four vectors of 8 codes in 32-bit lanes (each 0..255) as 32 bytes in order: two saturating packs
+// (lossless for 0..255) and a permute that undoes the packs' lane interleaving.
+inline __m256i narrow_codes(__m256i c0, __m256i c1, __m256i c2, __m256i c3) noexcept {
+  const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
 
 template <class Format>
 class blockwise {
@@ -106,27 +116,17 @@ class blockwise {
     }
     const float inv = 1.0f / scale;
 #if LOCKSTEP_HOST_AVX2
-    // A format with an 8-lane code8() (the same bits as code(), see its header) takes 32 values
-    // per turn: four vectors of codes, narrowed to bytes by two saturating packs (lossless, codes
-    // are 0..255) and a permute that undoes the packs' lane interleaving.
-    if constexpr (requires(__m256 v) { Format::code8(v); }) {
+    // A format with codes32() (32 codes in input order, the same bits as code(); see its header)
+    // takes 32 values per turn, the tail through a zero-padded copy by the same code.
+    if constexpr (requires(const float* p, __m256 v) { Format::codes32(p, v); }) {
       const __m256 vinv = _mm256_set1_ps(inv);
-      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-      auto codes32 = [&](const float* in, std::uint8_t* out) {
-        const __m256i c0 = Format::code8(_mm256_mul_ps(_mm256_loadu_ps(in), vinv));
-        const __m256i c1 = Format::code8(_mm256_mul_ps(_mm256_loadu_ps(in + 8), vinv));
-        const __m256i c2 = Format::code8(_mm256_mul_ps(_mm256_loadu_ps(in + 16), vinv));
-        const __m256i c3 = Format::code8(_mm256_mul_ps(_mm256_loadu_ps(in + 24), vinv));
-        const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(w, order));
-      };
       std::size_t i = 0;
-      for (; i + 32 <= n; i += 32) codes32(x + i, codes + i);
-      if (i < n) {  // the tail through a zero-padded copy, by the same code
+      for (; i + 32 <= n; i += 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), Format::codes32(x + i, vinv));
+      if (i < n) {
         alignas(32) float in[32] = {};
         alignas(32) std::uint8_t out[32];
         std::memcpy(in, x + i, (n - i) * sizeof(float));
-        codes32(in, out);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out), Format::codes32(in, vinv));
         std::memcpy(codes + i, out, n - i);
       }
       return;

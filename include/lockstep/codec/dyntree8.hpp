@@ -9,8 +9,8 @@
 //
 // For decade k the 2^(6-k) bins are the intervals of linspace(0.1, 1, 2^(6-k)+1), and a code
 // decodes to its bin's midpoint times 10^-k: 64 values in [0.1, 1), 32 in [0.01, 0.1), ... one in
-// [1e-7, 1e-6). The all-zero magnitude is 0 (|u| < 1e-7 encodes to it) and the sign of a zero is
-// dropped. Exactness at the ends: the top magnitude 0x7f (bin [1 - 0.9/64, 1]) decodes to 1
+// [1e-7, 1e-6). The all-zero magnitude is 0 (|u| below about 1e-7 encodes to it); its sign bit is
+// kept, and 0x80 decodes to 0 as well. Exactness at the ends: the top magnitude 0x7f (bin [1 - 0.9/64, 1]) decodes to 1
 // instead of its midpoint, so 0 and +-absmax round-trip exactly; see docs/codecs.md for the errors.
 #pragma once
 
@@ -53,7 +53,7 @@ struct dyntree8_format {
     // |unit| as bits; signed, since AVX2 compares signed integers in one instruction.
     const std::int32_t a = static_cast<std::int32_t>(u & 0x7fffffffu);
     constexpr std::int32_t e1 = 0x3dcccccd, e2 = 0x3c23d70a, e3 = 0x3a83126f,  // 1e-1f .. 1e-3f
-        e4 = 0x38d1b717, e5 = 0x3727c5ac, e6 = 0x358637bd, e7 = 0x33d6bf95;     // 1e-4f .. 1e-7f
+        e4 = 0x38d1b717, e5 = 0x3727c5ac, e6 = 0x358637bd;                      // 1e-4f .. 1e-6f
     const std::int32_t k = (a < e1) + (a < e2) + (a < e3) + (a < e4) + (a < e5) + (a < e6);
     // 10^k = 5^k * 2^k, both exact: 5^k from the bits of k, 2^k as an exponent.
     const std::int32_t p5i = (1 + 4 * (k & 1)) * (1 + 12 * (k & 2)) * (1 + 156 * (k & 4));
@@ -61,22 +61,35 @@ struct dyntree8_format {
     const float per_decade = p10 * inv_09;  // rounded once, like code8's table entries
     const float v = std::bit_cast<float>(a) * per_decade + eight_ninths;
     const float bins = std::bit_cast<float>(static_cast<std::uint32_t>(133 - k) << 23);  // 2^(6-k)
+    // |u| below about 1e-7 (k = 6, v < 1) gives magnitude 0, with no test of its own.
     std::int32_t mag = static_cast<std::int32_t>(v * bins);  // exact product, truncated
     mag = mag < 0x7f ? mag : 0x7f;
-    const std::int32_t keep = -static_cast<std::int32_t>(a >= e7);  // |u| < 1e-7: the zero code
-    const std::int32_t sign = static_cast<std::int32_t>(u >> 31) << 7;
-    return static_cast<std::uint32_t>((mag | sign) & keep);
+    return static_cast<std::uint32_t>(mag) | ((u >> 31) << 7);
   }
   LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
 
 #if LOCKSTEP_HOST_AVX2
-  // code() for 8 values at once, the same operations in the same order (so the same bits): the
-  // decade from six compares, 10^k/0.9 from an 8-entry table by one permute, the scaling by
-  // 2^(6-k) as an integer add to the exponent. About 22 operations and a single lane-crossing
-  // permute for 8 values (an earlier form took four permutes, each 4 cycles of throughput on
-  // Zen 1, and left the encoder compute-bound); GCC's own vectorisation of code() takes 75.
-  static __m256i code8(__m256 unit) noexcept {
-    const __m256i u = _mm256_castps_si256(unit);
+  // code() for 32 values x[0..32) * inv at once, in order, with code()'s operations in code()'s
+  // order (so the same bits): the decade from six compares, 10^k/0.9 from an 8-entry table by one
+  // permute, the scaling by 2^(6-k) as an integer add to the exponent. The sign bits need no
+  // arithmetic: the saturating packs that narrow 32-bit lanes to bytes turn a float's raw bits into
+  // 0x80 when negative (and 0..0x7f otherwise). About 20 operations and one lane-crossing permute
+  // per 8 values; an earlier form took four permutes (each 4 cycles of throughput on Zen 1) and
+  // GCC's own vectorisation of code() 75 operations, which left the encoder compute-bound.
+  static __m256i codes32(const float* x, __m256 inv) noexcept {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' interleaving
+    __m256i u[4], mag[4];
+    for (int j = 0; j < 4; ++j) {
+      u[j] = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv));
+      mag[j] = magnitude8(u[j]);
+    }
+    const __m256i m = _mm256_packus_epi16(_mm256_packus_epi32(mag[0], mag[1]), _mm256_packus_epi32(mag[2], mag[3]));
+    const __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(u[0], u[1]), _mm256_packs_epi32(u[2], u[3]));
+    return _mm256_permutevar8x32_epi32(_mm256_or_si256(m, _mm256_and_si256(s, _mm256_set1_epi8(static_cast<char>(0x80)))), order);
+  }
+
+  // The magnitude bits of code() for 8 unit values (given as bits), in 32-bit lanes.
+  static __m256i magnitude8(__m256i u) noexcept {
     const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
     // minus the number of thresholds 1e-1 .. 1e-6 that |unit| reaches: k - 6, in -6..0
     __m256i d = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3dcccccd - 1));
@@ -91,13 +104,10 @@ struct dyntree8_format {
                                              1000.0f * inv_09, 10000.0f * inv_09, 100000.0f * inv_09);
     const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(per_decade, d)),
                                    _mm256_set1_ps(eight_ninths));
-    // v * 2^(6-k), exact: 6 - k = -d added to the exponent field (v lies in about [8/9, 2], far from
-    // overflow and subnormals).
+    // v * 2^(6-k), exact: 6 - k = -d added to the exponent field (v lies in about [8/9, 2], far
+    // from overflow and subnormals).
     const __m256i scaled = _mm256_sub_epi32(_mm256_castps_si256(v), _mm256_slli_epi32(d, 23));
-    const __m256i mag = _mm256_min_epi32(_mm256_cvttps_epi32(_mm256_castsi256_ps(scaled)), _mm256_set1_epi32(0x7f));
-    const __m256i keep = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x33d6bf95 - 1));  // |unit| >= 1e-7
-    const __m256i sign = _mm256_srli_epi32(_mm256_andnot_si256(_mm256_set1_epi32(0x7fffffff), u), 24);
-    return _mm256_and_si256(_mm256_or_si256(mag, sign), keep);
+    return _mm256_min_epi32(_mm256_cvttps_epi32(_mm256_castsi256_ps(scaled)), _mm256_set1_epi32(0x7f));
   }
 #endif
 

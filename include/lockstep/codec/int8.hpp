@@ -39,6 +39,11 @@ struct linear8_format {
     q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
     return _mm256_and_si256(q, _mm256_set1_epi32(0xff));
   }
+  // code() of x[i] * inv for 32 values, in order (blockwise's hook).
+  static __m256i codes32(const float* x, __m256 inv) noexcept {
+    auto c = [&](int j) { return code8(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv)); };
+    return narrow_codes(c(0), c(1), c(2), c(3));
+  }
 #endif
   LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
     return static_cast<float>(static_cast<std::int8_t>(code)) / 127.0f;
