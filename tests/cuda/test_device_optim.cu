@@ -8,8 +8,18 @@
 #include <string>
 
 #include <lockstep/device/optim.hpp>
+#include <lockstep/codec/bf16.hpp>
+#include <lockstep/codec/dyntree8.hpp>
+#include <lockstep/codec/fp32.hpp>
+#include <lockstep/device/step.hpp>
+#include <lockstep/optim/lars.hpp>
 #include <lockstep/optim/sgd.hpp>
+#include <lockstep/optim/step.hpp>
 #include <lockstep/optim/update.hpp>
+#include <lockstep/topology/ring.hpp>
+#include <lockstep/topology/torus2d.hpp>
+#include <lockstep/transport/inproc_device.hpp>
+#include <lockstep/transport/run_inproc.hpp>
 
 #include "common.hpp"
 
@@ -115,5 +125,74 @@ TEST_CASE("device per-tensor sums of squares match fp64 sums to rounding", "[dev
       CHECK(hw[d.offset] == Approx(a).epsilon(1e-6));
       CHECK(hv[d.offset + d.size - 1] == Approx(b).epsilon(1e-6));
     }
+  }
+}
+
+namespace {
+
+// device::step (all-reduce with the update as epilogue) against optim::step on the host, for the
+// same per-rank gradients: three steps, so momentum and the changed weights matter.
+template <class O, class Topo, class Codec>
+void compare_fused_step(int ranks, const O& opt, const Topo& topo, const Codec& proto, bool exact) {
+  CAPTURE(ranks, std::string(O::name()), topo.name(), std::string(proto.name()));
+  const optim::param_set ps = shapes();
+  const std::size_t n = ps.size();
+  const auto w0 = test::inputs(n, 5, false);
+  std::vector<std::vector<float>> grads;
+  for (int r = 0; r < ranks; ++r) grads.push_back(test::inputs(n, 100 + r, false));
+  const float lr = 0.05f;
+  std::vector<std::vector<float>> host(ranks), dev(ranks);
+  std::vector<std::vector<std::uint16_t>> host_bf(ranks), dev_bf(ranks);
+
+  run_inproc(ranks, [&](group<transport::inproc>& g) {
+    Codec c = proto;
+    std::vector<float> w = w0, gr;
+    std::vector<std::uint16_t> bf(n);
+    optim::state st(ps, opt);
+    for (int k = 0; k < 3; ++k) {
+      gr = grads[g.rank()];
+      optim::step(g, topo, c, opt, ps, std::span<float>(w), std::span<float>(gr), st, lr, std::span<std::uint16_t>(bf));
+    }
+    host[g.rank()] = w;
+    host_bf[g.rank()] = bf;
+  });
+  run_inproc_device(ranks, [&](device::group<transport::inproc_device>& g) {
+    Codec c = proto;
+    device::param_table table(ps, g.stream());
+    auto dw = test::to_device(w0, g.stream());
+    device::buffer<float> dg(n, g.stream()), dv(n, g.stream());
+    device::buffer<std::uint16_t> dbf(n, g.stream());
+    LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(dv.data(), 0, n * sizeof(float), g.stream()));
+    for (int k = 0; k < 3; ++k) {
+      LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dg.data(), grads[g.rank()].data(), n * sizeof(float), cudaMemcpyHostToDevice, g.stream()));
+      device::step(g, topo, c, opt, table, lr, std::span<float>(dw.data(), n), std::span<float>(dg.data(), n), dv.data(), dbf.data());
+    }
+    dev[g.rank()] = test::to_host(dw.data(), n, g.stream());
+    dev_bf[g.rank()] = test::to_host(dbf.data(), n, g.stream());
+  });
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    if (exact) {
+      CHECK(test::same_bits(host[r], dev[r]));
+      CHECK(host_bf[r] == dev_bf[r]);
+    } else {
+      double worst = 0;
+      for (std::size_t i = 0; i < n; ++i)
+        worst = std::max(worst, std::abs(double(host[r][i]) - dev[r][i]) / std::max(1e-3, std::abs(double(host[r][i]))));
+      CHECK(worst < 1e-5);
+    }
+    CHECK(test::same_bits(dev[r], dev[0]));  // every rank holds the same weights
+  }
+}
+
+}  // namespace
+
+TEST_CASE("device::step (update as the all-reduce's epilogue) equals optim::step on the host", "[device][optim][step]") {
+  for (int ranks : {1, 2, 4}) {
+    compare_fused_step(ranks, optim::sgd{0.9f, 1e-4f}, topology::ring{}, codec::fp32{}, true);
+    compare_fused_step(ranks, optim::sgd{0.9f, 1e-4f, true}, topology::torus2d{}, codec::dyntree8{}, true);
+    // LARS: norms are summed in another order on the device (fp64, then rounded): equal to rounding.
+    compare_fused_step(ranks, optim::lars{}, topology::ring{}, codec::fp32{}, false);
+    compare_fused_step(ranks, optim::lars{}, topology::torus2d{}, codec::bf16{}, false);
   }
 }

@@ -97,11 +97,11 @@ namespace kernels {
 template <class O, int Threads>
 __global__ void __launch_bounds__(Threads)
 optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_table::block* __restrict__ blocks,
-           std::size_t nblocks, const float* __restrict__ w, const float* __restrict__ g, float grad_scale,
-           optim::tensor_sums* __restrict__ out) {
+           std::size_t first, std::size_t nblocks, const float* __restrict__ w, const float* __restrict__ g,
+           float grad_scale, optim::tensor_sums* __restrict__ out) {
   using sum = block_sum<Threads>;
   __shared__ typename sum::storage red;
-  for (std::size_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
+  for (std::size_t b = first + blockIdx.x; b < first + nblocks; b += gridDim.x) {
     const param_table::block bk = blocks[b];
     const optim::sum_request r = o.sums(tensors[bk.tensor].exempt);
     double aw = 0.0, ag = 0.0, ad = 0.0;
@@ -125,10 +125,11 @@ optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_tab
 }
 
 template <class O>
-__global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ tensors, std::size_t ntensors,
-                                   const optim::tensor_sums* __restrict__ sums, bool have_sums, optim::step_context ctx,
-                                   typename O::coeffs* __restrict__ out) {
-  for (std::size_t t = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; t < ntensors; t += std::size_t(gridDim.x) * blockDim.x) {
+__global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ tensors, std::size_t first,
+                                   std::size_t ntensors, const optim::tensor_sums* __restrict__ sums, bool have_sums,
+                                   optim::step_context ctx, typename O::coeffs* __restrict__ out) {
+  for (std::size_t t = first + blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; t < first + ntensors;
+       t += std::size_t(gridDim.x) * blockDim.x) {
     const param_table::tensor ts = tensors[t];
     optim::tensor_sums s;
     if (have_sums)
@@ -143,14 +144,16 @@ __global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ 
 
 template <class O, int Threads>
 __global__ void __launch_bounds__(Threads)
-optim_update(const param_table::block* __restrict__ blocks, std::size_t nblocks,
-             const typename O::coeffs* __restrict__ coeffs, float* __restrict__ w, const float* __restrict__ g,
-             float* __restrict__ v, std::uint16_t* __restrict__ bf) {
-  for (std::size_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
+optim_update(const param_table::block* __restrict__ blocks, std::size_t first, std::size_t nblocks,
+             std::size_t lo, std::size_t hi, const typename O::coeffs* __restrict__ coeffs, float* __restrict__ w,
+             const float* __restrict__ g, float* __restrict__ v, std::uint16_t* __restrict__ bf) {
+  for (std::size_t b = first + blockIdx.x; b < first + nblocks; b += gridDim.x) {
     const param_table::block bk = blocks[b];
     const typename O::coeffs k = coeffs[bk.tensor];
+    // Elements of the block inside [lo, hi): a fused step updates each range as it becomes final.
+    const std::size_t from = bk.lo > lo ? bk.lo : lo, to = bk.hi < hi ? bk.hi : hi;
 #pragma unroll 4
-    for (std::size_t i = bk.lo + threadIdx.x; i < bk.hi; i += Threads) {
+    for (std::size_t i = from + threadIdx.x; i < to; i += Threads) {
       float wi = w[i], vi = v ? v[i] : 0.0f;
       O::update(k, wi, g[i], vi);
       w[i] = wi;
@@ -162,31 +165,63 @@ optim_update(const param_table::block* __restrict__ blocks, std::size_t nblocks,
 
 }  // namespace kernels
 
+namespace detail {
+
+inline bool any_sums(const auto& o, const optim::param_set& ps) {
+  for (std::size_t t = 0; t < ps.tensor_count(); ++t)
+    if (o.sums(ps[t].exempt).any()) return true;
+  return false;
+}
+
+inline void check_momentum(const auto& o, const float* v, const char* op) {
+  if (o.uses_momentum() && !v)
+    throw error(errc::invalid_argument, op, -1, -1, "the optimizer uses momentum but no buffer was given");
+}
+
+// Sums (when `sums`) and coefficients of tensors [t0, t1), whose blocks are [b0, b1).
+template <class O>
+void enqueue_coefficients(const O& o, param_table& table, optim::step_context ctx, bool sums, std::size_t t0,
+                          std::size_t t1, std::size_t b0, std::size_t b1, const float* w, const float* g,
+                          cudaStream_t s) {
+  using P = optim_policy;
+  if (t1 <= t0) return;
+  if (sums && b1 > b0) {
+    kernels::optim_sums<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
+        o, table.tensors(), table.blocks(), b0, b1 - b0, w, g, ctx.grad_scale, table.sums());
+    check_launch("optimizer sums");
+  }
+  auto* k = table.coeffs<typename O::coeffs>(s);
+  kernels::optim_coefficients<O><<<static_cast<unsigned>((t1 - t0 + 127) / 128), 128, 0, s>>>(
+      o, table.tensors(), t0, t1 - t0, table.sums(), sums, ctx, k);
+  check_launch("optimizer coefficients");
+}
+
+// The update of blocks [b0, b1), restricted to elements [lo, hi).
+template <class O>
+void enqueue_update(const O& o, param_table& table, std::size_t b0, std::size_t b1, std::size_t lo, std::size_t hi,
+                    float* w, const float* g, float* v, std::uint16_t* w_bf16, cudaStream_t s) {
+  using P = optim_policy;
+  if (b1 <= b0 || hi <= lo) return;
+  kernels::optim_update<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
+      table.blocks(), b0, b1 - b0, lo, hi, table.coeffs<typename O::coeffs>(s), w, g, o.uses_momentum() ? v : nullptr,
+      w_bf16);
+  check_launch("optimizer update");
+}
+
+}  // namespace detail
+
 // One optimizer step over every tensor of the table's param_set: w, g, v (momentum; may be null
 // when !o.uses_momentum()) and the optional bf16 copy of w are device buffers of params().size()
 // elements. Enqueued on `s`; returns at once.
 template <optim::optimizer O>
 void update_async(const O& o, param_table& table, optim::step_context ctx, float* w, const float* g, float* v,
                   cudaStream_t s, std::uint16_t* w_bf16 = nullptr) {
-  using P = optim_policy;
   const auto& ps = table.params();
-  if (o.uses_momentum() && !v)
-    throw error(errc::invalid_argument, std::string(O::name()) + " update", -1, -1, "the optimizer uses momentum but no buffer was given");
-  bool any_sums = false;
-  for (std::size_t t = 0; t < ps.tensor_count() && !any_sums; ++t) any_sums = o.sums(ps[t].exempt).any();
+  detail::check_momentum(o, v, (std::string(O::name()) + " update").c_str());
   const std::size_t nb = table.block_count(), nt = table.tensor_count();
   if (!nt) return;
-  if (any_sums) {
-    kernels::optim_sums<O, P::block_threads><<<grid_for(nb, 8), P::block_threads, 0, s>>>(o, table.tensors(), table.blocks(), nb, w, g,
-                                                                                          ctx.grad_scale, table.sums());
-    check_launch("optimizer sums");
-  }
-  auto* k = table.coeffs<typename O::coeffs>(s);
-  kernels::optim_coefficients<O><<<static_cast<unsigned>((nt + 127) / 128), 128, 0, s>>>(o, table.tensors(), nt, table.sums(), any_sums, ctx, k);
-  check_launch("optimizer coefficients");
-  kernels::optim_update<O, P::block_threads><<<grid_for(nb, 8), P::block_threads, 0, s>>>(table.blocks(), nb, k, w, g,
-                                                                                         o.uses_momentum() ? v : nullptr, w_bf16);
-  check_launch("optimizer update");
+  detail::enqueue_coefficients(o, table, ctx, detail::any_sums(o, ps), 0, nt, 0, nb, w, g, s);
+  detail::enqueue_update(o, table, 0, nb, 0, ps.size(), w, g, v, w_bf16, s);
 }
 
 }  // namespace lockstep::device

@@ -23,22 +23,19 @@ class state {
   template <optimizer O>
   state(const param_set& ps, const O& opt)
       : momentum_(opt.uses_momentum() ? ps.size() : 0, 0.0f),
-        block_sums_(ps.block_count()),
-        remaining_(ps.tensor_count(), 0) {}
+        block_sums_(ps.block_count()) {}
 
   std::span<float> momentum() noexcept { return momentum_; }
   std::span<const float> momentum() const noexcept { return momentum_; }
   std::uint64_t steps() const noexcept { return steps_; }  // updates applied so far
 
-  // For the sweeps: per-block sums and per-tensor counters, sized by the constructor.
+  // For the sweeps: per-block sums, sized by the constructor.
   std::span<tensor_sums> block_sums() noexcept { return block_sums_; }
-  std::span<std::size_t> remaining() noexcept { return remaining_; }
   void count_step() noexcept { ++steps_; }
 
  private:
   std::vector<float> momentum_;          // (element)
   std::vector<tensor_sums> block_sums_;  // (tensor, block)
-  std::vector<std::size_t> remaining_;   // (tensor): elements not yet final in this step
   std::uint64_t steps_ = 0;
 };
 

@@ -41,6 +41,7 @@
 #include "../codec/fp32.hpp"
 #include "../collective/collectives.hpp"
 #include "../core/thread_pool.hpp"
+#include "completion.hpp"
 #include "concept.hpp"
 #include "param_set.hpp"
 #include "state.hpp"
@@ -76,27 +77,15 @@ void step_impl(group<Tr>& g, const T& topo, C& codec, const O& opt, const param_
                [&](std::size_t first, std::size_t count) { sw.apply_range(first, first + count); });
   } else {
     // A tensor is updated by the epilogue call that makes its last elements final.
-    std::span<std::size_t> remaining = st.remaining();
-    for (std::size_t t = 0; t < ps.tensor_count(); ++t) remaining[t] = ps[t].size;
-    std::vector<std::size_t> done;
+    completion done(ps, "optim::step");
+    std::vector<std::size_t> ready;
     all_reduce(g, grads.first(n), topo, codec, reduce_op::sum, [&](std::size_t first, std::size_t count) {
-      const std::size_t last = first + count;
-      auto [a, b] = ps.tensors_in(first, last);
-      done.clear();
-      for (std::size_t t = a; t < b; ++t) {
-        const std::size_t lo = std::max(ps[t].offset, first), hi = std::min(ps[t].offset + ps[t].size, last);
-        if (hi - lo > remaining[t])
-          throw detail::step_error("optim::step", g.rank(), "the all-reduce reported elements of tensor " +
-                                                                 std::to_string(t) + " final twice");
-        remaining[t] -= hi - lo;
-        if (remaining[t] == 0) done.push_back(t);
-      }
-      sw.run(done);
+      const auto [a, b] = done.report(first, first + count, g.rank());
+      ready.clear();
+      for (std::size_t t = a; t < b; ++t) ready.push_back(t);
+      sw.run(ready);
     });
-    for (std::size_t t = 0; t < ps.tensor_count(); ++t)
-      if (remaining[t] != 0)
-        throw detail::step_error("optim::step", g.rank(), "the all-reduce left " + std::to_string(remaining[t]) +
-                                                              " elements of tensor " + std::to_string(t) + " unreported");
+    done.check_all_reported(g.rank());
   }
   st.count_step();
 }

@@ -388,7 +388,7 @@ void check_buffers(const char* op, const O& opt, const param_set& ps, std::size_
   if (opt.uses_momentum() && st.momentum().size() < ps.size())
     throw bad("the state has no momentum buffer for this param_set (" + std::to_string(st.momentum().size()) +
               need + "): build it as state(params, optimizer)");
-  if (st.block_sums().size() != ps.block_count() || st.remaining().size() != ps.tensor_count())
+  if (st.block_sums().size() != ps.block_count())
     throw bad("the state was built for another param_set");
 }
 
