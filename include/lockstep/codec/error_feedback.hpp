@@ -49,10 +49,10 @@ class error_feedback {
     if (v.size() < n) v.resize(n);
     for (std::size_t i = 0; i < n; ++i) v[i] = in[i] + residual[i];
     inner_.encode(v.data(), n, out);
-    // residual <- v - decode(wire), computed as -(decode(wire) - v) with one decode_add pass.
-    for (std::size_t i = 0; i < n; ++i) residual[i] = -v[i];
-    inner_.decode_add(out, n, residual);
-    for (std::size_t i = 0; i < n; ++i) residual[i] = -residual[i];
+    // residual <- v - decode(wire): decoded into the residual's storage, then one subtracting pass
+    // (the CUDA kernels compute the same v - decoded per element, so the bits agree).
+    inner_.decode(out, n, residual);
+    for (std::size_t i = 0; i < n; ++i) residual[i] = v[i] - residual[i];
   }
 
  private:

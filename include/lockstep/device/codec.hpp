@@ -49,7 +49,7 @@ __global__ void fp32_encode_feedback(const float* __restrict__ x, float* __restr
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const float v = __fadd_rn(x[i], residual[i]);
     out[i] = v;
-    residual[i] = -__fadd_rn(-v, v);  // the host's -(-v + decoded): the residual of an exact codec
+    residual[i] = __fsub_rn(v, v);  // the host's v - decoded: the residual of an exact codec
   }
 }
 
@@ -64,7 +64,7 @@ __global__ void bf16_encode(const float* __restrict__ x, float* __restrict__ res
     const float v = residual ? __fadd_rn(x[i], residual[i]) : x[i];
     const std::uint16_t h = codec::bf16_from_bits(__float_as_uint(v));
     out[i] = h;
-    if (residual) residual[i] = -__fadd_rn(-v, __uint_as_float(codec::bf16_to_bits(h)));
+    if (residual) residual[i] = __fsub_rn(v, __uint_as_float(codec::bf16_to_bits(h)));
   }
 }
 
@@ -119,7 +119,7 @@ blockwise_encode(const float* __restrict__ x, float* __restrict__ residual, std:
     auto emit = [&](std::size_t i, float vi) {
       const std::uint8_t c = live ? Format::quantize(__fmul_rn(vi, inv)) : std::uint8_t{0};
       codes[lo + i] = c;
-      if (residual) residual[lo + i] = -__fadd_rn(-vi, __fmul_rn(table[c], scale));
+      if (residual) residual[lo + i] = __fsub_rn(vi, __fmul_rn(table[c], scale));
     };
 #pragma unroll
     for (int k = 0; k < Items; ++k) {
