@@ -138,6 +138,31 @@ TEST_CASE("dyntree8 code book is Dettmers' dynamic tree", "[codec][dyntree8]") {
   for (int c = 1; c < 127; ++c) CHECK(f::value(static_cast<std::uint8_t>(c)) < f::value(static_cast<std::uint8_t>(c + 1)));
 }
 
+TEST_CASE("dyntree8 puts every unit value within half a bin of its decade", "[codec][dyntree8]") {
+  // Decade k by the encoder's own thresholds (float(10^-j)); half a bin of decade k is
+  // 0.9 / 2^(6-k) / 2 * 10^-k. A value at a bin edge may take either neighbour, so the bound
+  // allows half a bin plus the edge's fp32 fuzz (2^-20 |u|, against a decade's bins of 1.4% and
+  // more). The top magnitude 0x7f decodes to 1, not its midpoint: within the whole top bin, 0.9/64.
+  // Below 1e-7 a value is sent as 0, or near 1e-7 as the lone 0.55e-6 code.
+  using f = codec::dyntree8_format;
+  const auto& table = codec::dyntree8::table();
+  const float thresholds[6] = {1e-1f, 1e-2f, 1e-3f, 1e-4f, 1e-5f, 1e-6f};
+  double half_bin[7];
+  for (int k = 0; k < 7; ++k) half_bin[k] = 0.9 / double(1 << (6 - k)) / 2 * std::pow(10.0, -k);
+  std::size_t bad = 0;
+  float first_bad = 0;
+  for (std::uint32_t b = 0; b <= 0x3f800000u; b += 3) {
+    const float u = std::bit_cast<float>(b);
+    int k = 0;
+    for (float t : thresholds) k += u < t;
+    const std::uint8_t c = f::quantize(u);
+    const double bound = (c == 0x7f ? 0.9 / 64 : half_bin[k]) + std::ldexp(double(u), -20);
+    if (std::abs(double(table[c]) - double(u)) > bound && bad++ == 0) first_bad = u;
+  }
+  INFO("first value outside its bound: " << first_bad);
+  CHECK(bad == 0);
+}
+
 // The block encoder may take a hand-vectorised path (LOCKSTEP_HOST_AVX2: Format::codes32); it must
 // give Format::code()'s bits for every unit value an encoder can see. With scale 1 the unit is the
 // input itself, so sweeping inputs sweeps units: every float pattern from 0 to a little above 1

@@ -14,6 +14,8 @@
 #include "../collective_bounds.hpp"
 
 #include <catch2/catch.hpp>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -320,6 +322,30 @@ TEST_CASE("mismatched counts and codecs over mpi are errors naming the peer, in 
     } else {
       CHECK((e.code() == errc::timeout || e.code() == errc::mismatch));
     }
+  }
+  SECTION("operation: a failing call leaves the buffer as it was") {
+    // Same count and codec. With 2 ranks rank 0's all_reduce sends chunk 0 (500 values; fp32
+    // sends its first step beside the headers) and rank 1's broadcast first receives chunk 1 (500
+    // values, the root's scatter): equal sizes, so only the header tells them apart. No receive
+    // may be posted into the buffer before the header is checked (MPI would start copying a
+    // matched message while the rank waits for anything).
+    mpi_group g = world_group(2s);
+    v.assign(1000, static_cast<float>(me + 1));
+    codec::fp32 c;
+    const error e = caught([&] {
+      if (me == 0) {
+        all_reduce(g, std::span<float>(v), topology::ring{}, c);
+      } else {
+        std::this_thread::sleep_for(200ms);  // rank 0's header and first data have arrived by now
+        broadcast(g, std::span<float>(v), 0, topology::ring{}, c);
+      }
+    });
+    CHECK((e.code() == errc::timeout || e.code() == errc::mismatch));
+    if (me <= 1) {
+      CHECK(e.code() == errc::mismatch);
+      CHECK_THAT(e.what(), Catch::Contains("operation"));
+    }
+    CHECK(std::all_of(v.begin(), v.end(), [&](float x) { return x == static_cast<float>(me + 1); }));
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

@@ -32,6 +32,7 @@ struct dyntree8_format {
   static constexpr std::string_view name = "dyntree8";
   static constexpr float inv_09 = 1.0f / 0.9f;
   static constexpr float eight_ninths = 8.0f / 9.0f;
+  static constexpr std::int32_t below_two = 0x3fffffff;  // the largest float below 2
 
   // The code of u = x / absmax in its low 8 bits. Branch-free and free of float comparisons so
   // that host loops vectorise: the decade is a sum of comparisons on the bit patterns (for
@@ -41,13 +42,14 @@ struct dyntree8_format {
   // operation conditional unless told -fno-trapping-math).
   //
   // The magnitude is the indicator bit plus the bin index in one number:
-  //   2^(6-k) + floor((|u| 10^k - 0.1) 2^(6-k) / 0.9) = floor(2^(6-k) (|u| 10^k / 0.9 + 8/9)),
+  //   2^(6-k) + floor((|u| 10^k - 0.1) 2^(6-k) / 0.9) = floor(2^(6-k) v), v = |u| 10^k / 0.9 + 8/9,
   // computed as one multiply by the per-decade constant 10^k/0.9 (a table of 7 floats for
-  // code8), one add, and an exact scaling by 2^(6-k). The roundings of those two operations
+  // codes32), one add, and an exact scaling by 2^(6-k). The roundings of those two operations
   // decide the code only within an ulp of a bin edge (a value there may take the neighbouring
-  // code, whose midpoint is as close); host, device and code8 perform the same two.
-  // |u| 10^k reaches 1 only at the top of a decade: for k > 0 the result is then the first bin
-  // of the decade above (the nearest code), for k = 0 the top magnitude 0x7f by the clamp.
+  // code, whose midpoint is as close); host, device and codes32 perform the same two.
+  // |u| 10^k reaches 1 (v reaches 2) only at the top of a decade, up to rounding: v is capped
+  // just below 2 (on its bits, an integer min), which keeps such a value in the top bin of its own
+  // decade, 0x7f for k = 0.
   LOCKSTEP_HD static std::uint32_t code(float unit) noexcept {
     const std::uint32_t u = std::bit_cast<std::uint32_t>(unit);
     // |unit| as bits; signed, since AVX2 compares signed integers in one instruction.
@@ -60,10 +62,11 @@ struct dyntree8_format {
     const float p10 = static_cast<float>(p5i) * std::bit_cast<float>(static_cast<std::uint32_t>(127 + k) << 23);
     const float per_decade = p10 * inv_09;  // rounded once, like code8's table entries
     const float v = std::bit_cast<float>(a) * per_decade + eight_ninths;
+    std::int32_t vb = std::bit_cast<std::int32_t>(v);
+    vb = vb < below_two ? vb : below_two;
     const float bins = std::bit_cast<float>(static_cast<std::uint32_t>(133 - k) << 23);  // 2^(6-k)
     // |u| below about 1e-7 (k = 6, v < 1) gives magnitude 0, with no test of its own.
-    std::int32_t mag = static_cast<std::int32_t>(v * bins);  // exact product, truncated
-    mag = mag < 0x7f ? mag : 0x7f;
+    const std::int32_t mag = static_cast<std::int32_t>(std::bit_cast<float>(vb) * bins);  // exact product, truncated
     return static_cast<std::uint32_t>(mag) | ((u >> 31) << 7);
   }
   LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
@@ -104,10 +107,11 @@ struct dyntree8_format {
                                              1000.0f * inv_09, 10000.0f * inv_09, 100000.0f * inv_09);
     const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(per_decade, d)),
                                    _mm256_set1_ps(eight_ninths));
-    // v * 2^(6-k), exact: 6 - k = -d added to the exponent field (v lies in about [8/9, 2], far
-    // from overflow and subnormals).
-    const __m256i scaled = _mm256_sub_epi32(_mm256_castps_si256(v), _mm256_slli_epi32(d, 23));
-    return _mm256_min_epi32(_mm256_cvttps_epi32(_mm256_castsi256_ps(scaled)), _mm256_set1_epi32(0x7f));
+    // min(v, below 2) * 2^(6-k), exact: 6 - k = -d added to the exponent field (v lies in about
+    // [8/9, 2], far from overflow and subnormals).
+    const __m256i capped = _mm256_min_epi32(_mm256_castps_si256(v), _mm256_set1_epi32(below_two));
+    const __m256i scaled = _mm256_sub_epi32(capped, _mm256_slli_epi32(d, 23));
+    return _mm256_cvttps_epi32(_mm256_castsi256_ps(scaled));
   }
 #endif
 

@@ -11,11 +11,15 @@
 // forwarded unchanged by later all-gather steps, so no value is quantised twice in that phase, and
 // the owner replaces its own values by their decoded wire image, so every rank ends bitwise equal.
 //
-// Before any data moves, each rank sends every peer it will send to a header (op, count, codec,
-// topology, root, segment size, call number) and checks the header of every peer it will receive
-// from: a mismatch between ranks is an error naming both sides, never a truncation or a hang.
-// (Checking each header lazily, just before that peer's data is used, saves a message latency but
-// lets a rank post data and run epilogues in a call that then fails; it was tried and dropped.)
+// Each rank sends every peer it will send to a header (op, count, codec, topology, root, segment
+// size, call number) and checks the header of every peer it will receive from before it posts a
+// receive, reads, encodes or finalises anything: a mismatch between ranks is an error naming both
+// sides, never a truncation or a hang, and a failing call leaves this rank's buffer and its
+// error-feedback residuals untouched. Only the first step's fp32 sends go out beside the headers
+// (they change nothing here, and the peer reads them only after checking our header), which
+// saves the round the headers would otherwise take on their own. (Checking each header lazily,
+// just before that peer's data is used, let a rank run epilogues in a call that then fails; it
+// was tried and dropped.)
 #pragma once
 
 #include <algorithm>
@@ -194,11 +198,12 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
     std::vector<wire_header> theirs(from.size());
     std::vector<typename T::request> header_recvs;
     for (std::size_t i = 0; i < from.size(); ++i) header_recvs.push_back(t.irecv(from[i], header_tag, &theirs[i], sizeof(wire_header)));
-    // Every peer's header is checked before this rank reads a byte of data, encodes (error
-    // feedback would change its residuals), or runs an epilogue. Only the first step's fp32 sends
-    // go out before: they change nothing here, and a peer reads them only after checking our
-    // header. So the headers travel beside the first data instead of costing a round of their
-    // own (on 4 ranks over 2 cores that round was ~5% of a 1 MiB all-reduce).
+    // Every peer's header is checked before this rank posts a receive (MPI starts copying a
+    // matched message into the buffer while it waits for anything), reads a byte of data,
+    // encodes (error feedback would change its residuals), or runs an epilogue. Only the first
+    // step's fp32 sends go out before: they change nothing here, and a peer reads them only after
+    // checking our header. So the headers travel beside the first data instead of costing a round
+    // of their own.
     bool headers_checked = false;
     auto check_headers = [&] {
       if (headers_checked) return;
@@ -265,19 +270,28 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
       if (st.recv_peer >= 0) cut(st.recv, recvs);
       send_reqs.clear();
       recv_reqs.clear();
-      if constexpr (!borrowing) {
-        for (const segment& sg : recvs) {
-          void* dst = (identity && !reduce) ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
-          recv_reqs.push_back(t.irecv(st.recv_peer, tag, dst, msg_bytes(sg.len)));
+      // Headers checked, then this step's receives posted (at the top of the step, or in the
+      // first step just before the first encode or receive).
+      bool posted = false;
+      auto ready = [&] {
+        check_headers();
+        if (posted) return;
+        posted = true;
+        if constexpr (!borrowing) {
+          for (const segment& sg : recvs) {
+            void* dst = (identity && !reduce) ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
+            recv_reqs.push_back(t.irecv(st.recv_peer, tag, dst, msg_bytes(sg.len)));
+          }
         }
-      }
+      };
+      if (headers_checked) ready();
       // Sends run ahead of receives by `ahead` segments, so that the per-message latency of a
       // step overlaps instead of adding up segment after segment; fp32 has nothing to encode and
       // posts every send at once. Receive k waits only on sends posted before it on every rank,
       // so no rank can wait on itself around the ring.
       const std::size_t ahead = identity ? sends.size() : 4;
       auto receive = [&](std::size_t k) {
-        check_headers();
+        ready();
         const segment& sg = recvs[k];
         if constexpr (borrowing) {
           auto v = t.borrow(st.recv_peer, tag, msg_bytes(sg.len), deadline());
@@ -306,7 +320,7 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
         const segment& sg = sends[k];
         const void* src = x + sg.lo;
         if constexpr (!identity) {
-          check_headers();
+          ready();
           if (st.phase == phase::reduce_scatter) encode(sg, 0);
           src = sg.wire;
         }
@@ -314,16 +328,19 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
         while (received < recvs.size() && received + ahead <= k) receive(received++);
       }
       while (received < recvs.size()) receive(received++);
+      check_headers();  // a step that only sends: a mismatch is reported, not waited out
       for (auto& r : send_reqs)
         if (!t.wait(r, deadline())) {
           // Where the transport tells (inproc: a send completes when the peer takes it), say
-          // whether the peer ever took our header, i.e. entered this collective at all.
-          const auto i = static_cast<std::size_t>(std::find(to.begin(), to.end(), st.send_peer) - to.begin());
-          const bool entered = t.wait(pending_headers[i], transport::clock::now());
-          throw fail(errc::timeout, st.send_peer,
-                     timeout_text(entered ? "receipt of sent data by the peer"
-                                          : "receipt of sent data by the peer: it has not entered this collective (it has not taken this rank's header)",
-                                  si));
+          // whether the peer ever took our header, i.e. entered this collective at all. Over MPI
+          // a small send completes on its own (eager protocol), which tells nothing.
+          const char* what = "receipt of sent data by the peer";
+          if constexpr (requires { requires T::send_completion_means_taken; }) {
+            const auto i = static_cast<std::size_t>(std::find(to.begin(), to.end(), st.send_peer) - to.begin());
+            if (!t.wait(pending_headers[i], transport::clock::now()))
+              what = "receipt of sent data by the peer: it has not entered this collective (it has not taken this rank's header)";
+          }
+          throw fail(errc::timeout, st.send_peer, timeout_text(what, si));
         }
       finalize_if_due(si + 1);
     }

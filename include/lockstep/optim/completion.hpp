@@ -40,6 +40,7 @@ class completion {
       throw error(errc::invalid_argument, op_, rank, -1,
                   "the all-reduce reported [" + std::to_string(first) + ", " + std::to_string(last) +
                       ") final, outside the " + std::to_string(ps_->size()) + " elements of the parameters");
+    if (first == last) return {0, 0};  // an empty range completes nothing
     auto [a, b] = ps_->tensors_in(first, last);
     std::size_t done_lo = b, done_hi = b;
     for (std::size_t t = a; t < b; ++t) {

@@ -137,7 +137,8 @@ struct cost_terms {
   }
 };
 
-// The executor's handshake: one header to each peer before data moves (64 bytes, one alpha).
+// The executor's handshake: one header to each peer before a lossy codec's first encode (64
+// bytes, one alpha); fp32's first step is sent beside the headers and pays none.
 inline constexpr std::size_t header_bytes = 64;
 
 namespace detail {
@@ -181,7 +182,7 @@ inline cost_terms ring_terms(int size, std::size_t n, const codec_model& c, std:
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   detail::add_ring(t, c, size, 1, chunk, seg, send_ahead);
   detail::add_finalize(t, c, size, chunk);
-  if (handshake && size > 1) t.messages += 1, t.oneway_bytes += header_bytes;
+  if (handshake && size > 1 && !c.identity) t.messages += 1, t.oneway_bytes += header_bytes;
   return t;
 }
 
@@ -195,7 +196,7 @@ inline cost_terms torus2d_terms(int rows, int cols, std::size_t n, const codec_m
   detail::add_ring(t, c, rows, static_cast<std::size_t>(cols), chunk, seg, send_ahead);
   detail::add_ring(t, c, cols, 1, chunk, seg, send_ahead);
   detail::add_finalize(t, c, size, chunk);
-  if (handshake && size > 1) t.messages += 1, t.oneway_bytes += header_bytes;
+  if (handshake && size > 1 && !c.identity) t.messages += 1, t.oneway_bytes += header_bytes;
   return t;
 }
 
@@ -216,7 +217,7 @@ inline cost_terms halving_doubling_terms(int size, std::size_t n, const codec_mo
     t.decode_add_elems += elems;
   }
   detail::add_finalize(t, c, size, chunk);
-  if (handshake && size > 1) t.messages += 1, t.oneway_bytes += header_bytes;
+  if (handshake && size > 1 && !c.identity) t.messages += 1, t.oneway_bytes += header_bytes;
   return t;
 }
 

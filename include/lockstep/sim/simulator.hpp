@@ -19,7 +19,8 @@
 //     step whose send peer is also its receive peer (a pairwise exchange) moves at
 //     exchange_efficiency x bandwidth (link_params; 1 by default).
 //   * ranks of one host talk over `local` links that are not shared (memory copies).
-//   * the handshake: before any data, a header from every peer a rank receives from.
+//   * the handshake: before a lossy codec's first encode, a header from every peer a rank
+//     receives from (fp32's first step is sent beside the headers, so it waits for none).
 // What it leaves out: TCP slow start and MPI's rendezvous for large messages (both show up in
 // the fitted alpha and beta), and codec work of other ranks slowing a shared core.
 //
@@ -186,7 +187,7 @@ class simulator {
     }
     for (int r = 0; r < size; ++r) {
       rank_state& R = ranks_[static_cast<std::size_t>(r)];
-      if (cl_.handshake)
+      if (cl_.handshake && !codec_.identity)
         for (int p : R.sched.recv_peers) {
           const link_params& l = same_host(p, r) ? cl_.local : cl_.nic;
           R.t = std::max(R.t, l.latency_s + static_cast<double>(header_bytes) / l.bandwidth_Bps);
@@ -335,7 +336,7 @@ class simulator {
     R.send.chunks = R.recv.chunks = R.sched.chunks;
     R.send.seg = R.recv.seg = seg_;
     R.finalized = false;
-    if (cl_.handshake && !R.sched.recv_peers.empty())
+    if (cl_.handshake && !codec_.identity && !R.sched.recv_peers.empty())
       R.t = cl_.nic.latency_s + static_cast<double>(header_bytes) / cl_.nic.bandwidth_Bps;
     double egress = 0, ingress = 0;
     std::vector<double> arrive;  // of this step's segments, by index

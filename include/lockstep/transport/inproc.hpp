@@ -104,6 +104,9 @@ class inproc {
   // 1 MiB segments: large enough that the per-message handshake (a few microseconds) is noise,
   // small enough that a neighbour can start decoding while the sender still encodes.
   static constexpr std::size_t segment_bytes = std::size_t{1} << 20;
+  // A send completes when the peer has taken the message, so a completed header send tells the
+  // executor that the peer entered the collective (its timeout messages say so).
+  static constexpr bool send_completion_means_taken = true;
 
   // One posted send or receive; move-only. A send that is destroyed before it completed (its
   // collective failed) settles before the sender's memory can go: a message the peer has not
