@@ -28,6 +28,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "layers_math.hpp"
+
 namespace fashion {
 
 // ----------------------------------------------------------------------------------------------
@@ -123,8 +125,6 @@ inline void conv_backward(float* dinp,          // (B, C, H, W), or null: not ne
 // simple_nchw implementation, measured at 27 ms for (64, 32, 28, 28) on one core of this machine,
 // a third of the whole training step; this loop takes about 1 ms.
 
-inline int pooled(int n) { return (n + 1) / 2; }
-
 inline std::size_t maxpool_workspace_bytes(int B, int C, int H, int W) {
   return static_cast<std::size_t>(B) * C * pooled(H) * pooled(W);
 }
@@ -140,16 +140,7 @@ inline void maxpool_forward(float* out,         // (B, C, ceil(H/2), ceil(W/2))
     float* y = out + static_cast<std::size_t>(bc) * OH * OW;
     std::uint8_t* a = arg + static_cast<std::size_t>(bc) * OH * OW;
     for (int oy = 0; oy < OH; ++oy)
-      for (int ox = 0; ox < OW; ++ox) {
-        float best = x[(2 * oy) * W + 2 * ox];
-        std::uint8_t which = 0;
-        for (std::uint8_t k = 1; k < 4; ++k) {
-          const int iy = 2 * oy + (k >> 1), ix = 2 * ox + (k & 1);
-          if (iy < H && ix < W && x[iy * W + ix] > best) best = x[iy * W + ix], which = k;
-        }
-        y[oy * OW + ox] = best;
-        a[oy * OW + ox] = which;
-      }
+      for (int ox = 0; ox < OW; ++ox) y[oy * OW + ox] = maxpool_cell(x, H, W, oy, ox, &a[oy * OW + ox]);
   }
 }
 
@@ -165,10 +156,7 @@ inline void maxpool_backward(float* dinp,            // (B, C, H, W), overwritte
     const float* dy = dout + static_cast<std::size_t>(bc) * OH * OW;
     const std::uint8_t* a = arg + static_cast<std::size_t>(bc) * OH * OW;
     for (int oy = 0; oy < OH; ++oy)
-      for (int ox = 0; ox < OW; ++ox) {
-        const int k = a[oy * OW + ox];
-        dx[(2 * oy + (k >> 1)) * W + 2 * ox + (k & 1)] = dy[oy * OW + ox];
-      }
+      for (int ox = 0; ox < OW; ++ox) dx[maxpool_source(W, oy, ox, a[oy * OW + ox])] = dy[oy * OW + ox];
   }
 }
 
@@ -298,33 +286,12 @@ inline void batchnorm_relu_forward(float* out,           // (B, K, HW)
       stats[1 + k] = static_cast<float>(m);
       stats[1 + K + k] = static_cast<float>(m2);
     }
-    double n = stats[0];
-    std::vector<double> mu(stats.begin() + 1, stats.begin() + 1 + K), M2(stats.begin() + 1 + K, stats.end());
+    std::vector<float> all = stats;  // G rows of (n, mean, M2)
     if (group.size > 1) {
-      std::vector<float> all(stats.size() * static_cast<std::size_t>(group.size));
+      all.resize(stats.size() * static_cast<std::size_t>(group.size));
       group.all_gather(stats, all);
-      const float* r0 = all.data();
-      n = r0[0];
-      for (int k = 0; k < K; ++k) mu[k] = r0[1 + k], M2[k] = r0[1 + K + k];
-      for (int g = 1; g < group.size; ++g) {
-        const float* r = all.data() + static_cast<std::size_t>(g) * stats.size();
-        const double nb = r[0], nab = n + nb;
-        for (int k = 0; k < K; ++k) {
-          const double d = r[1 + k] - mu[k];
-          mu[k] += d * nb / nab;
-          M2[k] += r[1 + K + k] + d * d * n * nb / nab;
-        }
-        n = nab;
-      }
     }
-    *count = static_cast<float>(n);
-    for (int k = 0; k < K; ++k) {
-      mean[k] = static_cast<float>(mu[k]);
-      rstd[k] = static_cast<float>(1.0 / std::sqrt(M2[k] / n + eps));
-      // The running variance is the unbiased one, as torch keeps it.
-      running_mean[k] = (1 - momentum) * running_mean[k] + momentum * mean[k];
-      running_var[k] = (1 - momentum) * running_var[k] + momentum * static_cast<float>(M2[k] / std::max(n - 1, 1.0));
-    }
+    bn_merge_stats(mean, rstd, count, running_mean, running_var, all, group.size, K, momentum, eps);
   } else {
     for (int k = 0; k < K; ++k) {
       mean[k] = running_mean[k];
@@ -335,8 +302,8 @@ inline void batchnorm_relu_forward(float* out,           // (B, K, HW)
     for (int k = 0; k < K; ++k) {
       const float* x = inp + b * img + k * plane;
       float* y = out + b * img + k * plane;
-      const float a = gamma[k] * rstd[k], c = beta[k] - mean[k] * a;
-      for (std::size_t i = 0; i < plane; ++i) y[i] = std::max(0.0f, x[i] * a + c);
+      const bn_affine f = bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
+      for (std::size_t i = 0; i < plane; ++i) y[i] = bn_relu(x[i], f);
     }
 }
 
@@ -357,16 +324,16 @@ inline void batchnorm_relu_backward(float* dinp,         // (B, K, HW), overwrit
   std::vector<float> sums(2 * static_cast<std::size_t>(K));
   for (int k = 0; k < K; ++k) {
     double sdy = 0, sdyx = 0;
-    const float a = gamma[k] * rstd[k], c = beta[k] - mean[k] * a;
+    const bn_affine f = bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
     for (int b = 0; b < B; ++b) {
       const float* x = inp + b * img + k * plane;
       const float* g = dout + b * img + k * plane;
       float ps = 0, psx = 0;  // per plane in float (vectorises), across planes in double
 #pragma omp simd reduction(+ : ps, psx)
       for (std::size_t i = 0; i < plane; ++i) {
-        const float dy = x[i] * a + c > 0.0f ? g[i] : 0.0f;
+        const float dy = bn_relu_dy(x[i], g[i], f);
         ps += dy;
-        psx += dy * ((x[i] - mean[k]) * rstd[k]);
+        psx += dy * bn_xhat(x[i], mean[k], rstd[k]);
       }
       sdy += ps;
       sdyx += psx;
@@ -378,17 +345,13 @@ inline void batchnorm_relu_backward(float* dinp,         // (B, K, HW), overwrit
   }
   if (group.size > 1) group.sum(sums);
   for (int k = 0; k < K; ++k) {
-    const float a = gamma[k] * rstd[k], c = beta[k] - mean[k] * a;
+    const bn_affine f = bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
     const float mdy = sums[k] / count, mdyx = sums[K + k] / count;
     for (int b = 0; b < B; ++b) {
       const float* x = inp + b * img + k * plane;
       const float* g = dout + b * img + k * plane;
       float* dx = dinp + b * img + k * plane;
-      for (std::size_t i = 0; i < plane; ++i) {
-        const float dy = x[i] * a + c > 0.0f ? g[i] : 0.0f;
-        const float xhat = (x[i] - mean[k]) * rstd[k];
-        dx[i] = a * (dy - mdy - xhat * mdyx);
-      }
+      for (std::size_t i = 0; i < plane; ++i) dx[i] = bn_relu_dx(x[i], g[i], f, mean[k], rstd[k], mdy, mdyx);
     }
   }
 }
@@ -405,21 +368,9 @@ inline float softmax_xent_forward(float* probs,         // (B, NC)
   double total = 0;
   int hits = 0;
   for (int b = 0; b < B; ++b) {
-    const float* z = logits + b * NC;
-    float* p = probs + b * NC;
-    const float zmax = *std::max_element(z, z + NC);
-    double sum = 0;
-    for (int c = 0; c < NC; ++c) sum += std::exp(static_cast<double>(z[c] - zmax));
-    const double log_sum = std::log(sum);
-    double loss = 0;
-    for (int c = 0; c < NC; ++c) {
-      const double logp = z[c] - zmax - log_sum;
-      p[c] = static_cast<float>(std::exp(logp));
-      const double q = smoothing / NC + (c == labels[b] ? 1.0 - smoothing : 0.0);
-      loss -= q * logp;
-    }
-    total += loss;
-    hits += static_cast<int>(std::max_element(z, z + NC) - z) == labels[b];
+    int argmax;
+    total += xent_row(probs + b * NC, &argmax, logits + b * NC, labels[b], NC, smoothing);
+    hits += argmax == labels[b];
   }
   if (correct) *correct = hits;
   return static_cast<float>(total / B);
@@ -431,10 +382,7 @@ inline void softmax_xent_backward(float* dlogits,      // (B, NC), overwritten
                                   int B, int NC, float smoothing) {
   const float scale = 1.0f / B;  // the loss is a mean over this replica's batch
   for (int b = 0; b < B; ++b)
-    for (int c = 0; c < NC; ++c) {
-      const float q = smoothing / NC + (c == labels[b] ? 1.0f - smoothing : 0.0f);
-      dlogits[b * NC + c] = (probs[b * NC + c] - q) * scale;
-    }
+    for (int c = 0; c < NC; ++c) dlogits[b * NC + c] = xent_grad(probs[b * NC + c], c, labels[b], NC, smoothing, scale);
 }
 
 }  // namespace fashion
