@@ -1,65 +1,15 @@
 // Gradients of every layer of the sample CNN (samples/fashion_cnn/layers_cpu.hpp) against central
-// finite differences, and of the whole model's parameters.
-//
-// Each check takes a scalar L = sum(out * r) with a fixed random r, so dL/dout = r, and compares
-// the analytic gradient with (L(x + h e_i) - L(x - h e_i)) / 2h at random coordinates, summing L in
-// double. Kinks (ReLU, max) make a few coordinates unreliable at any h; inputs are drawn so that
-// ties and zero crossings are unlikely, and a coordinate within h of a kink is skipped.
+// finite differences (fashion_gradcheck.hpp), and of the whole model's parameters.
 #include <catch2/catch.hpp>
 
 #include <cmath>
-#include <functional>
-#include <random>
 #include <vector>
 
 #include "../samples/fashion_cnn/model.hpp"
+#include "fashion_gradcheck.hpp"
 
 using namespace fashion;
-
-namespace {
-
-std::vector<float> randn(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
-
-double dot(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
-
-// Compares grad[i] with the central difference of f around x[i] at `samples` coordinates.
-void check_gradient(std::vector<float>& x, const std::vector<float>& grad, const std::function<double()>& f,
-                    int samples, float h, std::uint32_t seed, double tol = 2e-2) {
-  std::mt19937 g(seed);
-  std::uniform_int_distribution<std::size_t> pick(0, x.size() - 1);
-  int checked = 0;
-  double scale = 0;
-  for (float v : grad) scale = std::max(scale, static_cast<double>(std::fabs(v)));
-  for (int s = 0; s < samples; ++s) {
-    const std::size_t i = pick(g);
-    const float x0 = x[i];
-    x[i] = x0 + h;
-    const double lp = f();
-    x[i] = x0 - h;
-    const double lm = f();
-    x[i] = x0;
-    const double l0 = f();
-    // A kink inside [x-h, x+h] shows as curvature far above the smooth part's.
-    if (std::fabs(lp - 2 * l0 + lm) > 1e-3 * std::max(1.0, std::fabs(l0))) continue;
-    const double fd = (lp - lm) / (2.0 * h);
-    INFO("coordinate " << i << ": analytic " << grad[i] << " finite difference " << fd);
-    CHECK(std::fabs(fd - grad[i]) <= tol * std::max(scale, 1e-3) + tol * std::fabs(fd));
-    ++checked;
-  }
-  REQUIRE(checked >= samples / 2);
-}
-
-}  // namespace
+using namespace fashion_test;
 
 TEST_CASE("conv3x3 gradients match finite differences", "[fashion][layers]") {
   const int B = 2, C = 3, H = 5, W = 6, K = 4;

@@ -125,9 +125,6 @@ inline void conv_backward(float* dinp,          // (B, C, H, W), or null: not ne
 // simple_nchw implementation, measured at 27 ms for (64, 32, 28, 28) on one core of this machine,
 // a third of the whole training step; this loop takes about 1 ms.
 
-inline std::size_t maxpool_workspace_bytes(int B, int C, int H, int W) {
-  return static_cast<std::size_t>(B) * C * pooled(H) * pooled(W);
-}
 
 inline void maxpool_forward(float* out,         // (B, C, ceil(H/2), ceil(W/2))
                             void* workspace,    // maxpool_workspace_bytes(B, C, H, W): argmax 0..3
@@ -237,13 +234,6 @@ inline void linear_backward(float* dinp,          // (B, F), overwritten
 // with n and the sums over the group. G = 1 is plain batch norm. dgamma and dbeta are this
 // replica's own sums: they are gradients of its own loss and are averaged with the others' later.
 
-// The group a replica normalises with: how to gather and how to sum across it. size 1 with empty
-// functions is local batch norm.
-struct bn_group {
-  int size = 1;
-  std::function<void(std::span<const float> mine, std::span<float> all)> all_gather;  // all: (G, mine.size())
-  std::function<void(std::span<float> values)> sum;                                   // in place, over the group
-};
 
 inline void batchnorm_relu_forward(float* out,           // (B, K, HW)
                                    float* mean,          // (K), saved for backward

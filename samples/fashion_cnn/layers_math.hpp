@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -36,6 +37,11 @@ LOCKSTEP_HD inline float maxpool_cell(const float* plane, int H, int W, int oy, 
   }
   *which = w;
   return best;
+}
+
+// One byte per output cell: which of the four won (0..3), kept for the backward pass.
+inline std::size_t maxpool_workspace_bytes(int B, int C, int H, int W) {
+  return static_cast<std::size_t>(B) * C * pooled(H) * pooled(W);
 }
 
 // Where in its H x W plane the winner of output cell (oy, ox) was: its gradient goes there.
@@ -71,6 +77,14 @@ LOCKSTEP_HD inline float bn_relu_dx(float x, float g, bn_affine f, float mean, f
                                     float mean_dyx) {
   return f.a * (bn_relu_dy(x, g, f) - mean_dy - bn_xhat(x, mean, rstd) * mean_dyx);
 }
+
+// The group a replica normalises with: how to gather and how to sum across it. size 1 with empty
+// functions is local batch norm.
+struct bn_group {
+  int size = 1;
+  std::function<void(std::span<const float> mine, std::span<float> all)> all_gather;  // all: (G, mine.size())
+  std::function<void(std::span<float> values)> sum;                                   // in place, over the group
+};
 
 // The group's statistics from each replica's (n, mean[K], M2[K]) (`all`: G rows of 2K + 1 floats,
 // in rank order), merged in rank order with Chan's formula

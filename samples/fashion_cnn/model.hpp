@@ -21,66 +21,10 @@
 #include <string>
 #include <vector>
 
-#include "../common/pipeline.hpp"
 #include "layers_cpu.hpp"
+#include "model_layout.hpp"
 
 namespace fashion {
-
-constexpr int nblocks = 3;
-
-struct config {
-  std::array<int, nblocks> channels{32, 64, 128};
-  int side = 28;      // input images are side x side, one channel
-  int classes = 10;
-  float label_smoothing = 0.0f;
-  float bn_momentum = 0.1f;
-};
-
-// One named tensor of the flat parameter block. `plain` marks batch-norm scales/shifts and biases:
-// optimizers exempt them from weight decay and from LARS' trust ratio.
-struct tensor_info {
-  std::string name;
-  std::size_t offset, size;
-  bool plain;
-};
-
-// The parameter layout: block i holds conv_w[i] (Ci, Ci-1, 3, 3), bn_gamma[i] (Ci), bn_beta[i]
-// (Ci); the classifier holds fc_w (NC, F), fc_b (NC). Buckets are [first, last) element ranges,
-// one per block plus one for the classifier, in layout order.
-struct layout {
-  std::vector<tensor_info> tensors;
-  std::vector<std::pair<std::size_t, std::size_t>> buckets;
-  std::size_t total = 0;
-  int side_in[nblocks + 1];  // side of block i's input; side_in[nblocks] is the classifier's
-  int features;              // F
-};
-
-inline layout make_layout(const config& cfg) {
-  layout L;
-  auto add = [&](std::string name, std::size_t n, bool plain) {
-    L.tensors.push_back({std::move(name), L.total, n, plain});
-    L.total += n;
-  };
-  int C = 1, S = cfg.side;
-  for (int i = 0; i < nblocks; ++i) {
-    const int K = cfg.channels[i];
-    const std::size_t first = L.total;
-    L.side_in[i] = S;
-    add("conv" + std::to_string(i) + ".w", static_cast<std::size_t>(K) * C * 9, false);
-    add("bn" + std::to_string(i) + ".gamma", static_cast<std::size_t>(K), true);
-    add("bn" + std::to_string(i) + ".beta", static_cast<std::size_t>(K), true);
-    L.buckets.push_back({first, L.total});
-    C = K;
-    S = pooled(S);
-  }
-  L.side_in[nblocks] = S;
-  L.features = C * S * S;
-  const std::size_t first = L.total;
-  add("fc.w", static_cast<std::size_t>(cfg.classes) * L.features, false);
-  add("fc.b", static_cast<std::size_t>(cfg.classes), true);
-  L.buckets.push_back({first, L.total});
-  return L;
-}
 
 // Everything of one replica's model: parameters, gradients, batch-norm running statistics, and
 // the activations of the last forward pass.
@@ -112,54 +56,16 @@ struct model {
   std::vector<float> dact_a, dact_b;
 };
 
-inline void model_bind(model& m) {
-  float* p = m.params.data();
-  float* g = m.grads.data();
-  std::size_t t = 0;
-  for (int i = 0; i < nblocks; ++i) {
-    m.conv_w[i] = p + m.L.tensors[t].offset, m.d_conv_w[i] = g + m.L.tensors[t].offset, ++t;
-    m.bn_gamma[i] = p + m.L.tensors[t].offset, m.d_bn_gamma[i] = g + m.L.tensors[t].offset, ++t;
-    m.bn_beta[i] = p + m.L.tensors[t].offset, m.d_bn_beta[i] = g + m.L.tensors[t].offset, ++t;
-  }
-  m.fc_w = p + m.L.tensors[t].offset, m.d_fc_w = g + m.L.tensors[t].offset, ++t;
-  m.fc_b = p + m.L.tensors[t].offset, m.d_fc_b = g + m.L.tensors[t].offset;
-  float* r = m.running.data();
-  for (int i = 0; i < nblocks; ++i) {
-    m.run_mean[i] = r;
-    m.run_var[i] = r + m.cfg.channels[i];
-    r += 2 * m.cfg.channels[i];
-  }
-}
+inline void model_bind(model& m) { bind_tensors(m, m.params.data(), m.grads.data(), m.running.data()); }
 
-// A model with freshly initialised parameters: He-normal convolutions (fan-in), gamma 1, beta 0,
-// classifier uniform in +-1/sqrt(F) (torch's default). The same seed gives the same model on every
-// replica, so no initial broadcast is needed.
+// A model with freshly initialised parameters (initial_parameters, model_layout.hpp).
 inline model model_create(const config& cfg, std::uint64_t seed) {
   model m;
   m.cfg = cfg;
   m.L = make_layout(cfg);
-  m.params.assign(m.L.total, 0.0f);
+  initial_parameters(cfg, m.L, seed, m.params, m.running);
   m.grads.assign(m.L.total, 0.0f);
-  std::size_t nrun = 0;
-  for (int c : cfg.channels) nrun += 2 * static_cast<std::size_t>(c);
-  m.running.assign(nrun, 0.0f);
   model_bind(m);
-  sample::rng r{sample::key_of(seed, 0x4D4F44454Cull)};
-  auto normal = [&] {  // Box-Muller on the sample's portable generator
-    const float u1 = 1.0f - r.uniform(), u2 = r.uniform();
-    return std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853f * u2);
-  };
-  int C = 1;
-  for (int i = 0; i < nblocks; ++i) {
-    const int K = cfg.channels[i];
-    const float sd = std::sqrt(2.0f / (C * 9));
-    for (int j = 0; j < K * C * 9; ++j) m.conv_w[i][j] = sd * normal();
-    for (int k = 0; k < K; ++k) m.bn_gamma[i][k] = 1.0f, m.run_var[i][k] = 1.0f;
-    C = K;
-  }
-  const float bound = 1.0f / std::sqrt(static_cast<float>(m.L.features));
-  for (int j = 0; j < cfg.classes * m.L.features; ++j) m.fc_w[j] = bound * (2.0f * r.uniform() - 1.0f);
-  for (int c = 0; c < cfg.classes; ++c) m.fc_b[c] = bound * (2.0f * r.uniform() - 1.0f);
   return m;
 }
 
