@@ -12,7 +12,7 @@
 #include <filesystem>
 #include <random>
 
-#include "../samples/fashion_cnn/trainer.hpp"
+#include "../samples/fashion_cnn/replica_cpu.hpp"
 
 namespace fs = std::filesystem;
 using namespace fashion;

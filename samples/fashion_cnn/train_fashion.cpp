@@ -1,10 +1,11 @@
 // lockstep-train-fashion: trains a small CNN on Fashion-MNIST, synchronously data-parallel over
 // lockstep. The README's first program.
 //
-// Purpose: flags, then trainer.hpp does the work. By default --ranks replicas run as threads of
+// Purpose: flags (flags.hpp), then trainer.hpp with replica_cpu.hpp does the work. By default --ranks replicas run as threads of
 // this process (inproc transport); started under mpirun (a build with MPI), each process is one
 // replica and --ranks is the job's size.
-// Limits: CPU (oneDNN) only in this program; see docs for the GPU path.
+// Limits: CPU (oneDNN) only in this program; lockstep-train-fashion-cuda (train_fashion_cuda.cu)
+// is the same trainer on a GPU.
 //
 //   lockstep-train-fashion --ranks 4 --topology torus2d:2x2 --codec dyntree8 --error-feedback
 //       --optimizer lars --bn-group 2 --epochs 6 --out run1
@@ -13,133 +14,16 @@
 #include <cstring>
 #include <string>
 
-#include "trainer.hpp"
+#include "flags.hpp"
+#include "replica_cpu.hpp"
 
 #if LOCKSTEP_SAMPLE_MPI
 #include <lockstep/transport/mpi.hpp>
 #endif
 
-namespace {
-
-void usage(const fashion::options& d) {
-  std::printf(
-      "usage: lockstep-train-fashion [flags]\n"
-      "\n"
-      "Trains a conv-BN-ReLU network on Fashion-MNIST with synchronous data parallelism.\n"
-      "\n"
-      "data and output\n"
-      "  --data DIR            directory of the four *-ubyte.gz IDX files (default %s)\n"
-      "  --out DIR             metrics.csv, metrics.png, metrics.gp and checkpoint.bin go here (default %s)\n"
-      "  --resume              continue from DIR/checkpoint.bin with the same flags; bit-for-bit the run that\n"
-      "                        was interrupted (error-feedback residuals are in the checkpoint too)\n"
-      "  --stop-after N        end after N epochs of this invocation, checkpoint written; --resume goes on\n"
-      "  --train-limit N       use only the first N training images (0 = all 60000; default 0)\n"
-      "  --test-limit N        use only the first N test images (0 = all 10000; default 0)\n"
-      "  --no-augment          no random crop (2-pixel padding) and no horizontal flip\n"
-      "  --print-every N       progress line every N steps (default %d)\n"
-      "\n"
-      "model and loss\n"
-      "  --channels A,B,C      channels of the three conv blocks (default %d,%d,%d)\n"
-      "  --label-smoothing E   target (1-E) on the label and E/10 spread over all classes (default %g)\n"
-      "  --bn-group G          batch-norm statistics over G consecutive replicas; 1 = local (default %d)\n"
-      "\n"
-      "data parallelism\n"
-      "  --ranks N             replicas as threads of this process (default %d); under mpirun: the job size\n"
-      "  --threads T           oneDNN threads per replica (default: hardware threads / ranks, at least 1)\n"
-      "  --batch B             global batch, split evenly over the replicas (default %d)\n"
-      "  --topology T          ring | torus2d (most square grid) | torus2d:RxC (default %s)\n"
-      "  --codec C             gradients on the wire: fp32 | bf16 | int8 | dyntree8 (default %s)\n"
-      "  --codec-block N       elements per absmax scale of int8 and dyntree8 (default %zu)\n"
-      "  --error-feedback      keep each rank's quantisation residual and add it to the next step's gradient\n"
-      "\n"
-      "optimizer and schedule (linear warmup from 0, then polynomial decay to --end-lr)\n"
-      "  --optimizer O         sgd (momentum, torch form) | lars (trust ratio per tensor) (default %s)\n"
-      "  --lr PEAK             peak learning rate after warmup (default %g)\n"
-      "  --warmup-epochs W     epochs of linear warmup (default %g)\n"
-      "  --end-lr L            learning rate at the last step (default %g)\n"
-      "  --power P             exponent of the decay; 1 = linear (default %g)\n"
-      "  --momentum M          (default %g)\n"
-      "  --weight-decay D      not applied to batch-norm parameters and biases (default %g)\n"
-      "  --lars-trust ETA      LARS trust coefficient (default %g)\n"
-      "  --epochs E            (default %d)\n"
-      "  --seed S              model initialisation, data order and augmentation (default %llu)\n"
-      "  --help                this text\n",
-      d.data.c_str(), d.out.c_str(), d.print_every, d.channels[0], d.channels[1], d.channels[2], d.label_smoothing,
-      d.bn_group, d.ranks, d.batch, d.topology.c_str(), d.codec.c_str(), d.codec_block, d.optimizer.c_str(), d.lr,
-      d.warmup_epochs, d.end_lr, d.power, d.momentum, d.weight_decay, d.lars_trust, d.epochs,
-      static_cast<unsigned long long>(d.seed));
-}
-
-[[noreturn]] void die(const std::string& msg) {
-  std::fprintf(stderr, "lockstep-train-fashion: %s (see --help)\n", msg.c_str());
-  std::exit(2);
-}
-
-fashion::options parse(int argc, char** argv) {
-  fashion::options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) die(a + " needs a value");
-      return argv[++i];
-    };
-    auto number = [&]() -> double {
-      const std::string v = value();
-      char* end = nullptr;
-      const double x = std::strtod(v.c_str(), &end);
-      if (v.empty() || *end) die(a + ": '" + v + "' is not a number");
-      return x;
-    };
-    if (a == "--help" || a == "-h") usage(o), std::exit(0);
-    else if (a == "--data") o.data = value();
-    else if (a == "--out") o.out = value();
-    else if (a == "--resume") o.resume = true;
-    else if (a == "--stop-after") o.stop_after = static_cast<int>(number());
-    else if (a == "--train-limit") o.train_limit = static_cast<int>(number());
-    else if (a == "--test-limit") o.test_limit = static_cast<int>(number());
-    else if (a == "--no-augment") o.augment = false;
-    else if (a == "--print-every") o.print_every = std::max(1, static_cast<int>(number()));
-    else if (a == "--channels") {
-      const std::string v = value();
-      if (std::sscanf(v.c_str(), "%d,%d,%d", &o.channels[0], &o.channels[1], &o.channels[2]) != 3 ||
-          o.channels[0] < 1 || o.channels[1] < 1 || o.channels[2] < 1)
-        die("--channels wants three positive numbers A,B,C, got '" + v + "'");
-    }
-    else if (a == "--label-smoothing") o.label_smoothing = static_cast<float>(number());
-    else if (a == "--bn-group") o.bn_group = static_cast<int>(number());
-    else if (a == "--ranks") o.ranks = static_cast<int>(number());
-    else if (a == "--threads") o.threads = static_cast<int>(number());
-    else if (a == "--batch") o.batch = static_cast<int>(number());
-    else if (a == "--topology") o.topology = value();
-    else if (a == "--codec") o.codec = value();
-    else if (a == "--codec-block") o.codec_block = static_cast<std::size_t>(number());
-    else if (a == "--error-feedback") o.error_feedback = true;
-    else if (a == "--optimizer") o.optimizer = value();
-    else if (a == "--lr") o.lr = number();
-    else if (a == "--warmup-epochs") o.warmup_epochs = number();
-    else if (a == "--end-lr") o.end_lr = number();
-    else if (a == "--power") o.power = number();
-    else if (a == "--momentum") o.momentum = static_cast<float>(number());
-    else if (a == "--weight-decay") o.weight_decay = static_cast<float>(number());
-    else if (a == "--lars-trust") o.lars_trust = static_cast<float>(number());
-    else if (a == "--epochs") o.epochs = static_cast<int>(number());
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
-    else die("unknown flag '" + a + "'");
-  }
-  return o;
-}
-
-void print_summary(const fashion::run_result& r) {
-  if (r.epochs.empty()) return;
-  const auto& e = r.epochs.back();
-  std::printf("final test accuracy %.2f%% after %d epochs; metrics %s, plot %s, checkpoint %s\n", 100.0 * e.test_acc,
-              e.epoch, r.csv.c_str(), r.plot.c_str(), r.checkpoint.c_str());
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
-  fashion::options o = parse(argc, argv);
+  fashion::options o = fashion::parse_flags(argc, argv);
   try {
 #if LOCKSTEP_SAMPLE_MPI
     if (std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE")) {
@@ -151,16 +35,16 @@ int main(int argc, char** argv) {
       const fashion::shared_data data = fashion::load_data(o);
       fashion::run_result r;
       fashion::train_dispatch(world, o, data, r);
-      if (world.rank() == 0) print_summary(r);
+      if (world.rank() == 0) fashion::print_summary(r);
       return 0;
     }
 #endif
     std::printf("lockstep-train-fashion: %d replica%s, batch %d (%d each), %s, %s%s, %s, bn-group %d, %d epochs\n",
                 o.ranks, o.ranks == 1 ? "" : "s", o.batch, o.batch / std::max(1, o.ranks), o.topology.c_str(),
                 o.codec.c_str(), o.error_feedback ? "+ef" : "", o.optimizer.c_str(), o.bn_group, o.epochs);
-    print_summary(fashion::train_inproc(o));
+    fashion::print_summary(fashion::train_inproc(o));
   } catch (const std::invalid_argument& e) {
-    die(e.what());
+    fashion::die("lockstep-train-fashion", e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep-train-fashion: %s\n", e.what());
     return 1;

@@ -16,8 +16,6 @@
 // quantisation residuals (gathered to rank 0), so --resume is bit-for-bit with it too.
 #pragma once
 
-#include <omp.h>
-
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -38,7 +36,7 @@
 #include <lockstep/optim/update.hpp>
 
 #include "../common/pipeline.hpp"
-#include "model.hpp"
+#include "model_layout.hpp"
 
 namespace fashion {
 
@@ -197,19 +195,57 @@ inline void write_plot(const std::string& dir, bool run_gnuplot) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// One replica's training loop, for any group type, topology, codec and optimizer.
+// One replica's training loop, written once for both backends. A Replica holds the model, the
+// gradient synchronisation and the optimizer state of one replica: cpu_replica (replica_cpu.hpp,
+// oneDNN, host collectives) or gpu_replica (replica_cuda.cuh, cuDNN, device collectives). It provides
+//   float train_step(const sample::batch&, int B, const bn_group&, float lr)   forward, backward with
+//         each bucket's gradients averaged over all replicas as soon as they are written, update;
+//         returns this replica's mean loss
+//   float evaluate(images, labels, n, const bn_group&, int* correct)           forward with running stats
+//   std::span<float> running()                                                 BN running statistics (host)
+//   std::vector<float> params(), momentum(), residuals()                       host copies for the checkpoint
+//   void restore(const checkpoint&, int rank, int R, const std::string& path)  the inverse
+//   static constexpr bool has_residuals                                        error feedback in use
+// Group is the host group of the replicas: batch-norm groups, test sums and checkpoint gathers.
 
 struct shared_data {
   sample::image_set train, test;
 };
 
-template <class Group, class Topo, class Codec, class Opt>
-void train_replica(Group& world, const options& o, const shared_data& data, Topo topo, Codec& codec, Opt opt,
-                   run_result& result) {
+inline config model_config(const options& o) {
+  config cfg;
+  cfg.channels = o.channels;
+  cfg.label_smoothing = o.label_smoothing;
+  return cfg;
+}
+
+inline std::vector<lockstep::optim::tensor_desc> tensor_descs(const layout& L) {
+  std::vector<lockstep::optim::tensor_desc> tensors;
+  for (const auto& t : L.tensors) tensors.push_back({t.offset, t.size, t.plain});
+  return tensors;
+}
+
+// A checkpoint's arrays against this replica's sizes; throws naming the file.
+inline void check_checkpoint_sizes(const checkpoint& c, std::size_t params, std::size_t running, std::size_t momentum,
+                                   const std::string& path) {
+  if (c.params.size() != params || c.running.size() != running || c.momentum.size() != momentum)
+    throw std::runtime_error(path + ": sizes do not match this model and optimizer");
+}
+
+// This rank's error-feedback residuals in a checkpoint (2 x params floats: per bucket, phase 0
+// then phase 1), or a clear error when the checkpoint has none for this many replicas.
+inline const float* checkpoint_residuals(const checkpoint& c, std::size_t params, int rank, int R,
+                                         const std::string& path) {
+  const std::size_t per_rank = 2 * params;
+  if (c.residuals.size() != per_rank * static_cast<std::size_t>(R))
+    throw std::runtime_error(path + ": holds no error-feedback residuals for " + std::to_string(R) + " replicas");
+  return c.residuals.data() + per_rank * static_cast<std::size_t>(rank);
+}
+
+template <class Group, class Replica>
+void train_replica(Group& world, const options& o, const shared_data& data, Replica& rep, run_result& result) {
   const int rank = world.rank(), R = world.size(), B = o.batch / R;
   const bool leader = rank == 0;
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  omp_set_num_threads(o.threads > 0 ? o.threads : std::max(1, hw / R));
 
   // Batch-norm groups: consecutive ranks, G at a time.
   Group bn = world.split(rank / o.bn_group, rank);
@@ -221,16 +257,6 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
   };
   bng.sum = [&](std::span<float> v) { lockstep::all_reduce(bn, v); };
 
-  config cfg;
-  cfg.channels = o.channels;
-  cfg.label_smoothing = o.label_smoothing;
-  model m = model_create(cfg, o.seed);
-
-  std::vector<lockstep::optim::tensor_desc> tensors;
-  for (const auto& t : m.L.tensors) tensors.push_back({t.offset, t.size, t.plain});
-  const lockstep::optim::param_set ps(tensors);
-  lockstep::optim::state st(ps, opt);
-
   const int steps_per_epoch = data.train.n / o.batch;  // the last incomplete global batch is dropped
   const long long total_steps = static_cast<long long>(steps_per_epoch) * o.epochs;
   const lockstep::optim::warmup_poly schedule{o.lr, o.warmup_epochs * steps_per_epoch,
@@ -240,23 +266,8 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
   int first_epoch = 0;
   long long step = 0;
   if (o.resume) {
-    checkpoint c = load_checkpoint(ckpt_path, o);
-    if (c.params.size() != m.params.size() || c.running.size() != m.running.size() ||
-        c.momentum.size() != st.momentum().size())
-      throw std::runtime_error(ckpt_path + ": sizes do not match this model and optimizer");
-    m.params = c.params;
-    m.running = c.running;
-    std::copy(c.momentum.begin(), c.momentum.end(), st.momentum().begin());
-    if constexpr (lockstep::codec::feedback_codec<Codec>) {
-      const std::size_t per_rank = 2 * m.params.size();
-      if (c.residuals.size() != per_rank * static_cast<std::size_t>(R))
-        throw std::runtime_error(ckpt_path + ": holds no error-feedback residuals for " + std::to_string(R) +
-                                 " replicas");
-      const float* r = c.residuals.data() + per_rank * static_cast<std::size_t>(rank);
-      for (auto [first, last] : m.L.buckets)
-        for (int phase = 0; phase < 2; ++phase, r += last - first)
-          std::copy(r, r + (last - first), codec.residual(m.grads.data() + first, last - first, phase));
-    }
+    const checkpoint c = load_checkpoint(ckpt_path, o);
+    rep.restore(c, rank, R, ckpt_path);
     first_epoch = c.epochs_done;
     step = c.global_step;
     if (leader && !o.quiet) std::printf("resuming %s after epoch %d (step %lld)\n", ckpt_path.c_str(), first_epoch, step);
@@ -266,7 +277,6 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
   if (leader) result.checkpoint = ckpt_path, result.csv = csv_path, result.plot = o.out + "/metrics.png";
 
   sample::batch_loader loader(data.train, B, rank, R, o.seed, {o.augment, 2, true}, first_epoch);
-  std::vector<lockstep::request> pending(m.L.buckets.size());
   using clock = std::chrono::steady_clock;
   const auto t_run = clock::now();
 
@@ -278,17 +288,8 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
     auto t_window = clock::now();
     for (int s = 0; s < steps_per_epoch; ++s, ++step) {
       const sample::batch& b = loader.next();
-      const float loss = model_forward(m, b.images.data(), b.labels.data(), B, bng, true);
-      // Gradient sync, the one call site: each bucket is averaged over all replicas as soon as
-      // backward has written it; the update waits for all of them.
-      model_backward(m, bng, [&](int k) {
-        auto [first, last] = m.L.buckets[static_cast<std::size_t>(k)];
-        pending[static_cast<std::size_t>(k)] = lockstep::all_reduce_async(
-            world, std::span<float>(m.grads.data() + first, last - first), topo, codec, lockstep::reduce_op::average);
-      });
-      for (auto& r : pending) r.wait();
       const float lr = static_cast<float>(schedule(static_cast<double>(step)));
-      lockstep::optim::update(opt, ps, m.params, m.grads, st, lockstep::optim::step_context{lr, 1.0f});
+      const float loss = rep.train_step(b, B, bng, lr);
 
       loss_sum += loss;
       window_loss += loss;
@@ -310,7 +311,7 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
 
     // Every replica ends the epoch with the same model: the running statistics of different BN
     // groups differ, so average them (parameters are already equal).
-    lockstep::all_reduce(world, std::span<float>(m.running), lockstep::reduce_op::average);
+    lockstep::all_reduce(world, rep.running(), lockstep::reduce_op::average);
 
     // Test accuracy: replica r evaluates its slice of the test set, the sums are added up.
     const int n_test = o.test_limit > 0 ? std::min(o.test_limit, data.test.n) : data.test.n;
@@ -327,22 +328,15 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
         labels[static_cast<std::size_t>(k)] = data.test.labels[static_cast<std::size_t>(i + k)];
       }
       int correct = 0;
-      sums[1] += model_forward(m, images.data(), labels.data(), n, bng, false, &correct) * n;
+      sums[1] += rep.evaluate(images.data(), labels.data(), n, bng, &correct) * n;
       sums[0] += static_cast<float>(correct);
     }
     lockstep::all_reduce(world, std::span<float>(sums, 3));
 
-    // Error-feedback residuals of every replica, gathered for rank 0's checkpoint: per bucket,
-    // phases 0 and 1 (the keys the collective uses: the bucket's address and length).
+    // Error-feedback residuals of every replica, gathered for rank 0's checkpoint.
     std::vector<float> residuals;
-    if constexpr (lockstep::codec::feedback_codec<Codec>) {
-      std::vector<float> mine;
-      mine.reserve(2 * m.params.size());
-      for (auto [first, last] : m.L.buckets)
-        for (int phase = 0; phase < 2; ++phase) {
-          const float* r = codec.residual(m.grads.data() + first, last - first, phase);
-          mine.insert(mine.end(), r, r + (last - first));
-        }
+    if constexpr (Replica::has_residuals) {
+      const std::vector<float> mine = rep.residuals();
       residuals.resize(mine.size() * static_cast<std::size_t>(R));
       lockstep::codec::fp32 c32;
       lockstep::all_gather(world, std::span<const float>(mine), std::span<float>(residuals), lockstep::topology::ring{},
@@ -358,8 +352,9 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
       std::ofstream(csv_path, std::ios::app) << rec.epoch << ',' << rec.step << ',' << rec.step * o.batch << ','
                                              << rec.seconds << ',' << rec.lr << ',' << rec.train_loss << ','
                                              << rec.test_loss << ',' << rec.test_acc << ',' << rec.images_per_s << '\n';
-      checkpoint c{epoch + 1, step, m.params, m.running,
-                   std::vector<float>(st.momentum().begin(), st.momentum().end()), std::move(residuals)};
+      const std::span<float> run = rep.running();
+      checkpoint c{epoch + 1, step, rep.params(), std::vector<float>(run.begin(), run.end()), rep.momentum(),
+                   std::move(residuals)};
       save_checkpoint(ckpt_path, o, c);
       if (!o.quiet) {
         std::printf("epoch %d: test accuracy %.2f%%  test loss %.4f  train loss %.4f  %.0f img/s  (%.0f s)\n",
@@ -372,21 +367,20 @@ void train_replica(Group& world, const options& o, const shared_data& data, Topo
 }
 
 // ----------------------------------------------------------------------------------------------
-// Picks the policy types named by the flags and runs one replica with them.
+// Picks the policy types named by the flags and calls f(topology, codec&, optimizer) with them.
 
-template <class Group>
-void train_dispatch(Group& world, const options& o, const shared_data& data, run_result& result) {
+template <class F>
+void with_policies(const options& o, F&& f) {
   using namespace lockstep;
   auto with_optimizer = [&](auto topo, auto& codec) {
     if (o.optimizer == "sgd") {
-      optim::sgd opt{o.momentum, o.weight_decay, false, true};
-      train_replica(world, o, data, topo, codec, opt, result);
+      f(topo, codec, optim::sgd{o.momentum, o.weight_decay, false, true});
     } else {
       optim::lars opt;
       opt.momentum = o.momentum;
       opt.weight_decay = o.weight_decay;
       opt.trust = o.lars_trust;
-      train_replica(world, o, data, topo, codec, opt, result);
+      f(topo, codec, opt);
     }
   };
   auto with_codec = [&](auto topo) {
@@ -449,16 +443,6 @@ inline shared_data load_data(const options& o) {
     throw std::invalid_argument("--batch " + std::to_string(o.batch) + " exceeds the " + std::to_string(d.train.n) +
                                 " training images");
   return d;
-}
-
-// A whole run with o.ranks replicas as threads of this process.
-inline run_result train_inproc(const options& o) {
-  validate(o);
-  std::filesystem::create_directories(o.out);
-  const shared_data data = load_data(o);
-  run_result result;
-  lockstep::run_inproc(o.ranks, [&](auto& g) { train_dispatch(g, o, data, result); });
-  return result;
 }
 
 }  // namespace fashion

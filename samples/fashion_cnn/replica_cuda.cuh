@@ -1,0 +1,170 @@
+// samples/fashion_cnn/replica_cuda.cuh: one replica of lockstep-train-fashion on a GPU: the cuDNN
+// model (model_cuda.cuh), its gradients averaged by lockstep's device collectives, and the update
+// by device::update_async. The loop that drives it is trainer.hpp's train_replica, as on the CPU.
+//
+// Two streams per replica, as in PyTorch's DDP: the model computes on its own stream (cuda_ctx());
+// the device group communicates on its stream. The moment backward has enqueued a bucket's
+// gradients, an event orders the group's stream after them and the bucket's all_reduce_async is
+// enqueued there, so it runs while the model stream computes the blocks before it. The update
+// follows the last bucket on the group's stream, and the next forward waits for it (event), not
+// the host. Batch-norm statistics and the test sums go through the host group, as on the CPU.
+// Limits: replicas as threads on one GPU (inproc_device transport); NCCL across processes is not
+// wired into this program yet.
+#pragma once
+
+#include <span>
+#include <string>
+#include <vector>
+
+#include <lockstep/device/collectives.hpp>
+#include <lockstep/device/optim.hpp>
+#include <lockstep/transport/inproc_device.hpp>
+
+#include "model_cuda.cuh"
+#include "trainer.hpp"
+
+namespace fashion {
+
+template <class DeviceGroup, class Topo, class Codec, class Opt>
+class gpu_replica {
+ public:
+  static constexpr bool has_residuals = lockstep::codec::feedback_codec<Codec>;
+
+  gpu_replica(DeviceGroup& dg, const options& o, Topo topo, Codec& codec, Opt opt)
+      : dg_(dg),
+        topo_(topo),
+        codec_(codec),
+        opt_(opt),
+        m_(gpu::model_create(model_config(o), o.seed)),
+        ps_(tensor_descs(m_.L)),
+        table_(ps_, dg.stream()),
+        v_(opt.uses_momentum() ? m_.L.total : 0, dg.stream()),
+        pending_(m_.L.buckets.size()),
+        ready_(m_.L.buckets.size()) {
+    if (v_.size()) LOCKSTEP_SAMPLE_CHECK(cudaMemsetAsync(v_.data(), 0, v_.size() * sizeof(float), dg.stream()));
+    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg.stream()));
+  }
+
+  float train_step(const sample::batch& b, int B, const bn_group& bng, float lr) {
+    const cudaStream_t compute = gpu::cuda_ctx().stream, comm = dg_.stream();
+    after_update(compute);  // the forward reads the parameters the last update wrote
+    const float loss = gpu::model_forward(m_, b.images.data(), b.labels.data(), B, bng, true);
+    gpu::model_backward(m_, bng, [&](int k) {
+      auto [first, last] = m_.L.buckets[static_cast<std::size_t>(k)];
+      ready_[static_cast<std::size_t>(k)].record(compute);
+      LOCKSTEP_SAMPLE_CHECK(cudaStreamWaitEvent(comm, ready_[static_cast<std::size_t>(k)].get(), 0));
+      pending_[static_cast<std::size_t>(k)] = lockstep::device::all_reduce_async(
+          dg_, std::span<float>(m_.grads.data() + first, last - first), topo_, codec_, lockstep::reduce_op::average);
+    });
+    lockstep::device::update_async(opt_, table_, lockstep::optim::step_context{lr, 1.0f}, m_.params.data(),
+                                   m_.grads.data(), v_.size() ? v_.data() : nullptr, comm);
+    updated_.record(comm);
+    for (auto& r : pending_) r.wait();  // errors and timeouts of this step surface here
+    return loss;
+  }
+
+  float evaluate(const float* images, const int* labels, int n, const bn_group& bng, int* correct) {
+    after_update(gpu::cuda_ctx().stream);
+    return gpu::model_forward(m_, images, labels, n, bng, false, correct);
+  }
+
+  std::span<float> running() { return m_.running; }
+  std::vector<float> params() { return download(m_.params.data(), m_.L.total); }
+  std::vector<float> momentum() { return download(v_.data(), v_.size()); }
+
+  // Per bucket, phases 0 and 1: the residuals the device group keeps for this codec and bucket.
+  std::vector<float> residuals() {
+    std::vector<float> mine;
+    if constexpr (has_residuals) {
+      mine.resize(2 * m_.L.total);
+      float* out = mine.data();
+      for (auto [first, last] : m_.L.buckets)
+        for (int phase = 0; phase < 2; ++phase, out += last - first)
+          LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(out, residual_of(first, last, phase), (last - first) * sizeof(float),
+                                                cudaMemcpyDeviceToHost, dg_.stream()));
+      LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg_.stream()));
+    }
+    return mine;
+  }
+
+  void restore(const checkpoint& c, int rank, int R, const std::string& path) {
+    check_checkpoint_sizes(c, m_.L.total, m_.running.size(), v_.size(), path);
+    gpu::model_set_params(m_, c.params);
+    m_.running = c.running;
+    const cudaStream_t comm = dg_.stream();
+    if (v_.size())
+      LOCKSTEP_SAMPLE_CHECK(
+          cudaMemcpyAsync(v_.data(), c.momentum.data(), v_.size() * sizeof(float), cudaMemcpyHostToDevice, comm));
+    if constexpr (has_residuals) {
+      const float* r = checkpoint_residuals(c, m_.L.total, rank, R, path);
+      for (auto [first, last] : m_.L.buckets)
+        for (int phase = 0; phase < 2; ++phase, r += last - first)
+          LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(residual_of(first, last, phase), r, (last - first) * sizeof(float),
+                                                cudaMemcpyHostToDevice, comm));
+    }
+    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(comm));
+  }
+
+ private:
+  void after_update(cudaStream_t s) { LOCKSTEP_SAMPLE_CHECK(cudaStreamWaitEvent(s, updated_.get(), 0)); }
+
+  // The key the device executor uses: (codec, the bucket's address, its length, phase).
+  float* residual_of(std::size_t first, std::size_t last, int phase) {
+    return dg_.residual(&codec_, m_.grads.data() + first, last - first, phase);
+  }
+
+  std::vector<float> download(const float* d, std::size_t n) {
+    std::vector<float> h(n);
+    const cudaStream_t s = gpu::cuda_ctx().stream;
+    after_update(s);
+    if (n) LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, s));
+    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(s));
+    return h;
+  }
+
+  DeviceGroup& dg_;
+  Topo topo_;
+  Codec& codec_;
+  Opt opt_;
+  gpu::model m_;
+  lockstep::optim::param_set ps_;
+  lockstep::device::param_table table_;
+  gpu::dbuf<float> v_;  // momentum, on the device
+  std::vector<lockstep::device::request> pending_;
+  std::vector<lockstep::device::event> ready_;  // per bucket: its gradients are written
+  lockstep::device::event updated_;             // the last update is done
+};
+
+// A whole run with o.ranks replicas as threads of this process, all on the current GPU: a host
+// group per replica for batch norm and the test sums, a device group (inproc_device) for the
+// gradients. A failing replica aborts both worlds, so the others leave their waits at once.
+inline run_result train_inproc_cuda(const options& o) {
+  validate(o);
+  std::filesystem::create_directories(o.out);
+  const shared_data data = load_data(o);
+  run_result result;
+  auto device_world = lockstep::transport::inproc_device::make_world(o.ranks);
+  int dev = 0;
+  LOCKSTEP_SAMPLE_CHECK(cudaGetDevice(&dev));
+  lockstep::run_inproc(o.ranks, [&](auto& host) {
+    LOCKSTEP_SAMPLE_CHECK(cudaSetDevice(dev));
+    lockstep::device::stream comm;  // before the group: the group frees its scratch on it
+    lockstep::device::group<lockstep::transport::inproc_device> dg(
+        lockstep::transport::inproc_device(device_world, host.rank(), comm.get()));
+    try {
+      with_policies(o, [&](auto topo, auto& codec, auto opt) {
+        gpu_replica<decltype(dg), decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(
+            dg, o, topo, codec, opt);
+        train_replica(host, o, data, rep, result);
+      });
+      comm.synchronize();
+      LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(gpu::cuda_ctx().stream));
+    } catch (const std::exception& e) {
+      dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
+      throw;
+    }
+  });
+  return result;
+}
+
+}  // namespace fashion
