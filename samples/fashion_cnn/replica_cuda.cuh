@@ -8,8 +8,8 @@
 // enqueued there, so it runs while the model stream computes the blocks before it. The update
 // follows the last bucket on the group's stream, and the next forward waits for it (event), not
 // the host. Batch-norm statistics and the test sums go through the host group, as on the CPU.
-// Limits: replicas as threads on one GPU (inproc_device transport); NCCL across processes is not
-// wired into this program yet.
+// Limits: replicas as threads on one GPU (inproc_device), or one replica per MPI process and GPU
+// (NCCL, train_fashion_cuda.cu); checkpoints at epoch ends only, as on the CPU.
 #pragma once
 
 #include <span>
@@ -135,9 +135,30 @@ class gpu_replica {
   lockstep::device::event updated_;             // the last update is done
 };
 
+// One replica of a run on a GPU, the policies named by the flags: host group `host` for batch norm
+// and the test sums, device group `dg` for the gradients.
+template <class HostGroup, class DeviceGroup>
+void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, const shared_data& data,
+                         run_result& result) {
+  try {
+    with_policies(o, [&](auto topo, auto& codec, auto opt) {
+      gpu_replica<DeviceGroup, decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(
+          dg, o, topo, codec, opt);
+      train_replica(host, o, data, rep, result);
+    });
+    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg.stream()));
+    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(gpu::cuda_ctx().stream));
+  } catch (const std::exception& e) {
+    // The peers may be waiting on the device transport, which the host group's abort does not reach.
+    dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
+    throw;
+  }
+}
+
 // A whole run with o.ranks replicas as threads of this process, all on the current GPU: a host
 // group per replica for batch norm and the test sums, a device group (inproc_device) for the
 // gradients. A failing replica aborts both worlds, so the others leave their waits at once.
+// The host world's abort comes from run_inproc, the device world's from train_dispatch_cuda.
 inline run_result train_inproc_cuda(const options& o) {
   validate(o);
   std::filesystem::create_directories(o.out);
@@ -151,18 +172,7 @@ inline run_result train_inproc_cuda(const options& o) {
     lockstep::device::stream comm;  // before the group: the group frees its scratch on it
     lockstep::device::group<lockstep::transport::inproc_device> dg(
         lockstep::transport::inproc_device(device_world, host.rank(), comm.get()));
-    try {
-      with_policies(o, [&](auto topo, auto& codec, auto opt) {
-        gpu_replica<decltype(dg), decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(
-            dg, o, topo, codec, opt);
-        train_replica(host, o, data, rep, result);
-      });
-      comm.synchronize();
-      LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(gpu::cuda_ctx().stream));
-    } catch (const std::exception& e) {
-      dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
-      throw;
-    }
+    train_dispatch_cuda(host, dg, o, data, result);
   });
   return result;
 }

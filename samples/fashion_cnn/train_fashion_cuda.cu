@@ -1,10 +1,12 @@
 // lockstep-train-fashion-cuda: lockstep-train-fashion on an NVIDIA GPU (cuDNN and cuBLAS), with the
 // same model, flags, metrics, checkpoints and plot.
 //
-// Purpose: the GPU half of the sample. --ranks replicas run as threads of this process, all on the
-// current GPU (CUDA_VISIBLE_DEVICES picks it), their gradients averaged by lockstep's device
-// collectives over the inproc_device transport; trainer.hpp's loop with replica_cuda.cuh.
-// Limits: one GPU per process; the MPI + NCCL mode of a multi-GPU run is not wired in yet.
+// Purpose: the GPU half of the sample; trainer.hpp's loop with replica_cuda.cuh. By default --ranks
+// replicas run as threads of this process, all on the current GPU (CUDA_VISIBLE_DEVICES picks it),
+// their gradients averaged by lockstep's device collectives over the inproc_device transport.
+// Started under mpirun (a build with MPI and NCCL), each process is one replica on GPU
+// (local rank mod GPUs), gradients over NCCL with lockstep's own topologies and codecs, batch norm
+// and test sums over MPI; --ranks is the job's size.
 //
 //   lockstep-train-fashion-cuda --ranks 4 --topology torus2d:2x2 --codec dyntree8 --error-feedback
 //       --optimizer lars --bn-group 2 --epochs 6 --out run1
@@ -14,6 +16,42 @@
 #include "flags.hpp"
 #include "replica_cuda.cuh"
 
+#if LOCKSTEP_SAMPLE_MPI && LOCKSTEP_SAMPLE_NCCL
+#include <lockstep/transport/mpi.hpp>
+#include <lockstep/transport/nccl.hpp>
+
+namespace {
+
+// One replica per MPI process: this process's GPU, an NCCL communicator over the job (its id
+// broadcast by MPI), and the same replica and loop as the threaded run.
+int train_mpi_nccl(fashion::options o, int devices, int* argc, char*** argv) {
+  lockstep::transport::mpi_session session(argc, argv);
+  lockstep::group<lockstep::transport::mpi> world(lockstep::transport::mpi(MPI_COMM_WORLD));
+  o.ranks = world.size();
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  LOCKSTEP_SAMPLE_CHECK(cudaSetDevice((local ? std::atoi(local) : world.rank()) % devices));
+  fashion::validate(o);
+  if (world.rank() == 0) std::filesystem::create_directories(o.out);
+  const fashion::shared_data data = fashion::load_data(o);
+  ncclUniqueId id{};
+  if (world.rank() == 0) lockstep::transport::nccl::check(ncclGetUniqueId(&id), "ncclGetUniqueId", 0);
+  if (MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
+    throw std::runtime_error("MPI_Bcast of the NCCL id failed");
+  ncclComm_t comm = nullptr;
+  lockstep::transport::nccl::check(ncclCommInitRank(&comm, world.size(), id, world.rank()), "ncclCommInitRank",
+                                   world.rank());
+  lockstep::device::stream s;  // before the group: the group frees its scratch on it
+  lockstep::device::group<lockstep::transport::nccl> dg(
+      lockstep::transport::nccl(lockstep::transport::nccl::communicator(comm), s.get()));
+  fashion::run_result r;
+  fashion::train_dispatch_cuda(world, dg, o, data, r);
+  if (world.rank() == 0) fashion::print_summary(r);
+  return 0;
+}
+
+}  // namespace
+#endif
+
 int main(int argc, char** argv) {
   fashion::options o = fashion::parse_flags(argc, argv);
   try {
@@ -22,6 +60,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "lockstep-train-fashion-cuda: no CUDA device visible (use lockstep-train-fashion on the CPU)\n");
       return 1;
     }
+#if LOCKSTEP_SAMPLE_MPI && LOCKSTEP_SAMPLE_NCCL
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE")) return train_mpi_nccl(o, devices, &argc, &argv);
+#endif
     cudaDeviceProp prop{};
     int dev = 0;
     cudaGetDevice(&dev);
