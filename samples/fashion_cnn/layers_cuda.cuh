@@ -25,8 +25,10 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "layers_math.hpp"
@@ -74,7 +76,11 @@ struct cuda_context {
 
   void* scratch(std::size_t bytes) {
     if (bytes > workspace_bytes) {
-      if (workspace) LOCKSTEP_SAMPLE_CHECK(cudaFreeAsync(workspace, stream));
+      if (workspace) {
+        void* old = std::exchange(workspace, nullptr);
+        workspace_bytes = 0;
+        LOCKSTEP_SAMPLE_CHECK(cudaFreeAsync(old, stream));
+      }
       LOCKSTEP_SAMPLE_CHECK(cudaMallocAsync(&workspace, bytes, stream));
       workspace_bytes = bytes;
     }
@@ -103,24 +109,38 @@ struct conv_plan {
   cudnnConvolutionBwdDataAlgo_t bwd_data{};
   cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
   std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
+
+  conv_plan() = default;
+  conv_plan(const conv_plan&) = delete;
+  conv_plan& operator=(const conv_plan&) = delete;
+  ~conv_plan() {
+    if (conv) cudnnDestroyConvolutionDescriptor(conv);
+    if (wei) cudnnDestroyFilterDescriptor(wei);
+    if (dst) cudnnDestroyTensorDescriptor(dst);
+    if (src) cudnnDestroyTensorDescriptor(src);
+  }
 };
 
-// The first algorithm of cuDNN's heuristic list that works and is deterministic (so that a resumed
-// run repeats the uninterrupted one); cuDNN always lists at least one for these shapes.
+// The first algorithm of cuDNN's heuristic list that works, is deterministic (so that a resumed run
+// repeats the uninterrupted one) and computes in fp32 FMAs, not on tensor cores (TF32); cuDNN
+// lists such algorithms for these shapes.
 template <class Perf>
 auto pick_algorithm(const Perf* perf, int n, const char* what) {
   for (int i = 0; i < n; ++i)
-    if (perf[i].status == CUDNN_STATUS_SUCCESS && perf[i].determinism == CUDNN_DETERMINISTIC) return perf[i];
-  throw std::runtime_error(std::string("cuDNN offers no deterministic algorithm for ") + what);
+    if (perf[i].status == CUDNN_STATUS_SUCCESS && perf[i].determinism == CUDNN_DETERMINISTIC &&
+        (perf[i].mathType == CUDNN_DEFAULT_MATH || perf[i].mathType == CUDNN_FMA_MATH))
+      return perf[i];
+  throw std::runtime_error(std::string("cuDNN offers no deterministic fp32 algorithm for ") + what);
 }
 
 inline conv_plan& conv_lookup(int B, int C, int H, int W, int K) {
-  thread_local std::map<std::array<int, 5>, conv_plan> cache;
+  thread_local std::map<std::array<int, 5>, std::unique_ptr<conv_plan>> cache;
   const std::array<int, 5> key{B, C, H, W, K};
   auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
+  if (it != cache.end()) return *it->second;
   auto& ctx = cuda_ctx();
-  conv_plan p;
+  auto plan = std::make_unique<conv_plan>();  // owns its descriptors, also if a call below throws
+  conv_plan& p = *plan;
   LOCKSTEP_SAMPLE_CHECK(cudnnCreateTensorDescriptor(&p.src));
   LOCKSTEP_SAMPLE_CHECK(cudnnCreateTensorDescriptor(&p.dst));
   LOCKSTEP_SAMPLE_CHECK(cudnnCreateFilterDescriptor(&p.wei));
@@ -149,7 +169,7 @@ inline conv_plan& conv_lookup(int B, int C, int H, int W, int K) {
                                                                      &p.bwd_data_ws));
   LOCKSTEP_SAMPLE_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(ctx.dnn, p.src, p.dst, p.conv, p.wei,
                                                                        p.bwd_filter, &p.bwd_filter_ws));
-  return cache.emplace(key, p).first->second;
+  return *cache.emplace(key, std::move(plan)).first->second;
 }
 
 inline void conv_forward(float* out, const float* inp, const float* weight, int B, int C, int H, int W, int K) {
@@ -177,7 +197,7 @@ inline void conv_backward(float* dinp, float* dweight, const float* dout, const 
 // ----------------------------------------------------------------------------------------------
 // maxpool2x2 (own kernels, layers_math.hpp): one thread per output cell.
 
-__global__ void maxpool_forward_kernel(float* out, std::uint8_t* arg, const float* inp, int BC, int H, int W) {
+static __global__ void maxpool_forward_kernel(float* out, std::uint8_t* arg, const float* inp, int BC, int H, int W) {
   const int OH = pooled(H), OW = pooled(W);
   const std::size_t n = static_cast<std::size_t>(BC) * OH * OW;
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
@@ -187,7 +207,7 @@ __global__ void maxpool_forward_kernel(float* out, std::uint8_t* arg, const floa
   }
 }
 
-__global__ void maxpool_backward_kernel(float* dinp, const float* dout, const std::uint8_t* arg, int BC, int H, int W) {
+static __global__ void maxpool_backward_kernel(float* dinp, const float* dout, const std::uint8_t* arg, int BC, int H, int W) {
   const int OH = pooled(H), OW = pooled(W);
   const std::size_t n = static_cast<std::size_t>(BC) * OH * OW;
   // Windows do not overlap (stride 2), so each input cell is written by at most one thread.
@@ -218,12 +238,12 @@ inline void maxpool_backward(float* dinp, const float* dout, const void* workspa
 // linear on cuBLAS: out = inp weight^T + bias. cuBLAS is column-major: a row-major (R, C) matrix
 // is its transpose, so out^T (NC, B) = W (NC, F) inp^T (F, B) is gemm(T, N) on the row-major data.
 
-__global__ void add_bias_kernel(float* out, const float* bias, int B, int NC) {
+static __global__ void add_bias_kernel(float* out, const float* bias, int B, int NC) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < B * NC; i += gridDim.x * blockDim.x) out[i] += bias[i % NC];
 }
 
 // dbias[c] = sum over the batch of dout[b, c], in batch order (deterministic).
-__global__ void bias_grad_kernel(float* dbias, const float* dout, int B, int NC) {
+static __global__ void bias_grad_kernel(float* dbias, const float* dout, int B, int NC) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= NC) return;
   float s = 0;
@@ -250,7 +270,7 @@ inline void linear_backward(float* dinp, float* dweight, float* dbias, const flo
   // dinp^T (F, B) = W^T (F, NC) dout^T (NC, B)
   LOCKSTEP_SAMPLE_CHECK(
       cublasSgemm(ctx.blas, CUBLAS_OP_N, CUBLAS_OP_N, F, B, NC, &one, weight, F, dout, NC, &zero, dinp, F));
-  bias_grad_kernel<<<1, 256, 0, ctx.stream>>>(dbias, dout, B, NC);
+  bias_grad_kernel<<<(NC + 255) / 256, 256, 0, ctx.stream>>>(dbias, dout, B, NC);
   LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
 }
 
@@ -262,7 +282,7 @@ inline void linear_backward(float* dinp, float* dweight, float* dbias, const flo
 constexpr int bn_threads = 256;
 
 // stats (2K): mean then M2 of each channel over this replica's B images.
-__global__ void bn_stats_kernel(float* stats, const float* inp, int B, int K, int HW) {
+static __global__ void bn_stats_kernel(float* stats, const float* inp, int B, int K, int HW) {
   using reduce = cub::BlockReduce<double, bn_threads>;
   __shared__ typename reduce::TempStorage tmp;
   __shared__ double mean_s;
@@ -285,7 +305,7 @@ __global__ void bn_stats_kernel(float* stats, const float* inp, int B, int K, in
 }
 
 // mean_rstd (2K): the mean then the rstd of each channel, from the host.
-__global__ void bn_relu_forward_kernel(float* out, const float* inp, const float* mean_rstd, const float* gamma,
+static __global__ void bn_relu_forward_kernel(float* out, const float* inp, const float* mean_rstd, const float* gamma,
                                        const float* beta, std::size_t n, int K, int HW) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const int k = static_cast<int>((i / HW) % K);
@@ -294,7 +314,7 @@ __global__ void bn_relu_forward_kernel(float* out, const float* inp, const float
 }
 
 // sums (2K): sum dy then sum dy xhat of each channel; also this replica's dbeta and dgamma.
-__global__ void bn_backward_sums_kernel(float* sums, float* dgamma, float* dbeta, const float* dout, const float* inp,
+static __global__ void bn_backward_sums_kernel(float* sums, float* dgamma, float* dbeta, const float* dout, const float* inp,
                                         const float* mean_rstd, const float* gamma, const float* beta, int B, int K,
                                         int HW) {
   using reduce = cub::BlockReduce<double, bn_threads>;
@@ -319,14 +339,15 @@ __global__ void bn_backward_sums_kernel(float* sums, float* dgamma, float* dbeta
   }
 }
 
-__global__ void bn_relu_backward_kernel(float* dinp, const float* dout, const float* inp, const float* mean_rstd,
-                                        const float* sums, float inv_count, const float* gamma, const float* beta,
+static __global__ void bn_relu_backward_kernel(float* dinp, const float* dout, const float* inp, const float* mean_rstd,
+                                        const float* sums, float count, const float* gamma, const float* beta,
                                         std::size_t n, int K, int HW) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const int k = static_cast<int>((i / HW) % K);
     const float mean = mean_rstd[k], rstd = mean_rstd[K + k];
-    dinp[i] = bn_relu_dx(inp[i], dout[i], bn_fold(gamma[k], beta[k], mean, rstd), mean, rstd, sums[k] * inv_count,
-                         sums[K + k] * inv_count);
+    // sums / count, divided as on the CPU (not multiplied by 1 / count), so both round alike
+    dinp[i] = bn_relu_dx(inp[i], dout[i], bn_fold(gamma[k], beta[k], mean, rstd), mean, rstd, sums[k] / count,
+                         sums[K + k] / count);
   }
 }
 
@@ -386,8 +407,8 @@ inline void batchnorm_relu_backward(float* dinp, float* dgamma, float* dbeta, co
     to_device(scratch, sums.data(), sums.size());
   }
   const std::size_t n = static_cast<std::size_t>(B) * K * HW;
-  bn_relu_backward_kernel<<<grid_for(n), 256, 0, s>>>(dinp, dout, inp, mean_rstd, scratch, 1.0f / count, gamma, beta,
-                                                      n, K, HW);
+  bn_relu_backward_kernel<<<grid_for(n), 256, 0, s>>>(dinp, dout, inp, mean_rstd, scratch, count, gamma, beta, n,
+                                                      K, HW);
   LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
 }
 
@@ -395,13 +416,13 @@ inline void batchnorm_relu_backward(float* dinp, float* dgamma, float* dbeta, co
 // softmax cross-entropy (own kernels, layers_math.hpp): one thread per row forward, per logit
 // backward. The loss is summed on the host in row order, as on the CPU.
 
-__global__ void xent_forward_kernel(float* probs, double* row_loss, int* row_argmax, const float* logits,
+static __global__ void xent_forward_kernel(float* probs, double* row_loss, int* row_argmax, const float* logits,
                                     const int* labels, int B, int NC, float smoothing) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b < B) row_loss[b] = xent_row(probs + b * NC, &row_argmax[b], logits + b * NC, labels[b], NC, smoothing);
 }
 
-__global__ void xent_backward_kernel(float* dlogits, const float* probs, const int* labels, int B, int NC,
+static __global__ void xent_backward_kernel(float* dlogits, const float* probs, const int* labels, int B, int NC,
                                      float smoothing) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < B * NC; i += gridDim.x * blockDim.x)
     dlogits[i] = xent_grad(probs[i], i % NC, labels[i / NC], NC, smoothing, 1.0f / B);

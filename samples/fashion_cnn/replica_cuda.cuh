@@ -44,6 +44,18 @@ class gpu_replica {
     if (v_.size()) LOCKSTEP_SAMPLE_CHECK(cudaMemsetAsync(v_.data(), 0, v_.size() * sizeof(float), dg.stream()));
     LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg.stream()));
   }
+  gpu_replica(const gpu_replica&) = delete;
+  gpu_replica& operator=(const gpu_replica&) = delete;
+
+  // The model's buffers are freed in order on the compute stream, but the group's stream (the
+  // update, the collectives) and, on inproc_device, peers' streams may still use them: wait for
+  // both streams first. Best effort: this also runs while an exception unwinds.
+  ~gpu_replica() {
+    const cudaStream_t compute = gpu::cuda_ctx().stream;
+    cudaStreamWaitEvent(compute, updated_.get(), 0);
+    cudaStreamSynchronize(dg_.stream());
+    cudaStreamSynchronize(compute);
+  }
 
   float train_step(const sample::batch& b, int B, const bn_group& bng, float lr) {
     const cudaStream_t compute = gpu::cuda_ctx().stream, comm = dg_.stream();
@@ -140,19 +152,18 @@ class gpu_replica {
 template <class HostGroup, class DeviceGroup>
 void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, const shared_data& data,
                          run_result& result) {
-  try {
-    with_policies(o, [&](auto topo, auto& codec, auto opt) {
-      gpu_replica<DeviceGroup, decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(
-          dg, o, topo, codec, opt);
+  with_policies(o, [&](auto topo, auto& codec, auto opt) {
+    gpu_replica<DeviceGroup, decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(dg, o, topo,
+                                                                                                        codec, opt);
+    try {
       train_replica(host, o, data, rep, result);
-    });
-    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg.stream()));
-    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(gpu::cuda_ctx().stream));
-  } catch (const std::exception& e) {
-    // The peers may be waiting on the device transport, which the host group's abort does not reach.
-    dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
-    throw;
-  }
+    } catch (const std::exception& e) {
+      // Before the replica's buffers go: the peers may be waiting on the device transport (or
+      // reading this replica's memory), which the host group's abort does not reach.
+      dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
+      throw;
+    }
+  });
 }
 
 // A whole run with o.ranks replicas as threads of this process, all on the current GPU: a host

@@ -22,14 +22,26 @@
 
 namespace {
 
-// One replica per MPI process: this process's GPU, an NCCL communicator over the job (its id
+// One replica per MPI process: this process's GPU (its rank among the processes of its node, from
+// MPI_Comm_split_type, so any launcher places it right), an NCCL communicator over the job (its id
 // broadcast by MPI), and the same replica and loop as the threaded run.
 int train_mpi_nccl(fashion::options o, int devices, int* argc, char*** argv) {
   lockstep::transport::mpi_session session(argc, argv);
   lockstep::group<lockstep::transport::mpi> world(lockstep::transport::mpi(MPI_COMM_WORLD));
   o.ranks = world.size();
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-  LOCKSTEP_SAMPLE_CHECK(cudaSetDevice((local ? std::atoi(local) : world.rank()) % devices));
+  MPI_Comm node = MPI_COMM_NULL;
+  int local = 0, local_size = 1;
+  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &node) != MPI_SUCCESS)
+    throw std::runtime_error("MPI_Comm_split_type failed: cannot tell which GPU is this process's");
+  MPI_Comm_rank(node, &local);
+  MPI_Comm_size(node, &local_size);
+  MPI_Comm_free(&node);
+  if (local_size > devices)
+    throw std::runtime_error("rank " + std::to_string(world.rank()) + ": " + std::to_string(local_size) +
+                             " processes on this node but " + std::to_string(devices) +
+                             " GPUs; NCCL needs one GPU per process (use --ranks N without mpirun for several "
+                             "replicas on one GPU)");
+  LOCKSTEP_SAMPLE_CHECK(cudaSetDevice(local));
   fashion::validate(o);
   if (world.rank() == 0) std::filesystem::create_directories(o.out);
   const fashion::shared_data data = fashion::load_data(o);

@@ -7,7 +7,10 @@
 
 #include <lockstep/device/runtime.hpp>
 
+extern int lockstep_second_tu_linked;  // second_tu.cu: every device header in a second .cu
+
 int main(int argc, char** argv) {
+  if (!lockstep_second_tu_linked) return 1;
   if (lockstep::device::device_count() == 0) {
     std::printf("no CUDA device visible: skipped\n");
     return 77;

@@ -44,7 +44,7 @@ namespace kernels {
 // ---- elementwise codecs: fp32, bf16 -------------------------------------------------------------
 
 // residual may be null (no error feedback).
-__global__ void fp32_encode_feedback(const float* __restrict__ x, float* __restrict__ residual,
+static __global__ void fp32_encode_feedback(const float* __restrict__ x, float* __restrict__ residual,
                                      std::size_t n, float* __restrict__ out) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const float v = __fadd_rn(x[i], residual[i]);
@@ -53,12 +53,12 @@ __global__ void fp32_encode_feedback(const float* __restrict__ x, float* __restr
   }
 }
 
-__global__ void fp32_decode_add(const float* __restrict__ in, std::size_t n, float* __restrict__ acc) {
+static __global__ void fp32_decode_add(const float* __restrict__ in, std::size_t n, float* __restrict__ acc) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
     acc[i] = __fadd_rn(acc[i], in[i]);
 }
 
-__global__ void bf16_encode(const float* __restrict__ x, float* __restrict__ residual, std::size_t n,
+static __global__ void bf16_encode(const float* __restrict__ x, float* __restrict__ residual, std::size_t n,
                             std::uint16_t* __restrict__ out) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const float v = residual ? __fadd_rn(x[i], residual[i]) : x[i];
@@ -69,7 +69,7 @@ __global__ void bf16_encode(const float* __restrict__ x, float* __restrict__ res
 }
 
 template <bool Add>
-__global__ void bf16_decode(const std::uint16_t* __restrict__ in, std::size_t n, float* __restrict__ out) {
+static __global__ void bf16_decode(const std::uint16_t* __restrict__ in, std::size_t n, float* __restrict__ out) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const float v = __uint_as_float(codec::bf16_to_bits(in[i]));
     out[i] = Add ? __fadd_rn(out[i], v) : v;

@@ -41,7 +41,7 @@ struct no_epilogue {
 
 namespace kernels {
 // x /= divisor, rounded as the host's `x[i] /= float(size)`.
-__global__ void divide(float* __restrict__ x, std::size_t n, float divisor) {
+static __global__ void divide(float* __restrict__ x, std::size_t n, float divisor) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
     x[i] = __fdiv_rn(x[i], divisor);
 }

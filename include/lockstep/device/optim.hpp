@@ -167,12 +167,6 @@ optim_update(const param_table::block* __restrict__ blocks, std::size_t first, s
 
 namespace detail {
 
-inline bool any_sums(const auto& o, const optim::param_set& ps) {
-  for (std::size_t t = 0; t < ps.tensor_count(); ++t)
-    if (o.sums(ps[t].exempt).any()) return true;
-  return false;
-}
-
 inline void check_momentum(const auto& o, const float* v, const char* op) {
   if (o.uses_momentum() && !v)
     throw error(errc::invalid_argument, op, -1, -1, "the optimizer uses momentum but no buffer was given");
@@ -220,7 +214,7 @@ void update_async(const O& o, param_table& table, optim::step_context ctx, float
   detail::check_momentum(o, v, (std::string(O::name()) + " update").c_str());
   const std::size_t nb = table.block_count(), nt = table.tensor_count();
   if (!nt) return;
-  detail::enqueue_coefficients(o, table, ctx, detail::any_sums(o, ps), 0, nt, 0, nb, w, g, s);
+  detail::enqueue_coefficients(o, table, ctx, optim::needs_any_sums(o, ps), 0, nt, 0, nb, w, g, s);
   detail::enqueue_update(o, table, 0, nb, 0, ps.size(), w, g, v, w_bf16, s);
 }
 

@@ -49,7 +49,7 @@ request step_async(group<Tr>& g, const T& topo, C& codec, const O& opt, param_ta
   const float* const gr = grads.data();
   const std::size_t nb = table.block_count(), nt = table.tensor_count();
 
-  if (!detail::any_sums(opt, ps)) {
+  if (!optim::needs_any_sums(opt, ps)) {
     // Coefficients depend on lr and the optimizer only: once, ahead of the all-reduce.
     detail::enqueue_coefficients(opt, table, ctx, false, 0, nt, 0, nb, w, gr, g.stream());
     auto ep = [&](std::size_t first, std::size_t count, cudaStream_t s) {

@@ -123,4 +123,14 @@ class param_set {
   std::size_t size_ = 0, params_ = 0;
 };
 
+// Whether optimizer `opt` asks for per-tensor sums (norms, LARS) of any tensor of ps. Without them
+// an update is one sweep over the buffer with nothing to reduce first (plain SGD), which every
+// update and step path (host and device) uses to skip the norm pass.
+template <class O>
+bool needs_any_sums(const O& opt, const param_set& ps) {
+  for (std::size_t t = 0; t < ps.tensor_count(); ++t)
+    if (opt.sums(ps[t].exempt).any()) return true;
+  return false;
+}
+
 }  // namespace lockstep::optim

@@ -51,12 +51,6 @@ namespace lockstep::optim {
 
 namespace detail {
 
-inline bool any_sums(const auto& opt, const param_set& ps) {
-  for (const tensor_desc& t : ps.tensors())
-    if (opt.sums(t.exempt).any()) return true;
-  return false;
-}
-
 inline error step_error(const char* op, int rank, const std::string& why) {
   return error(errc::invalid_argument, op, rank, -1, why);
 }
@@ -71,7 +65,7 @@ void step_impl(group<Tr>& g, const T& topo, C& codec, const O& opt, const param_
   detail::sweep<O> sw(opt, ps, weights.data(), grads.data(), st, ctx,
                       weights_bf16.empty() ? nullptr : weights_bf16.data(), pool);
 
-  if (!detail::any_sums(opt, ps)) {
+  if (!needs_any_sums(opt, ps)) {
     sw.prepare_normless();
     all_reduce(g, grads.first(n), topo, codec, reduce_op::sum,
                [&](std::size_t first, std::size_t count) { sw.apply_range(first, first + count); });
@@ -114,7 +108,7 @@ void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const O& opt, cons
     reported += count;
   };
 
-  if (!detail::any_sums(opt, ps)) {
+  if (!needs_any_sums(opt, ps)) {
     sw.prepare_normless();
     reduce_scatter_inplace(g, grads.first(n), topo, codec, reduce_op::sum, [&](std::size_t first, std::size_t count) {
       check_range(first, count);

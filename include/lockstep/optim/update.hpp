@@ -320,9 +320,7 @@ class sweep {
     std::vector<std::size_t> every(ps_.tensor_count());
     for (std::size_t t = 0; t < every.size(); ++t) every[t] = t;
     // Without norms, waves would only add synchronisation: one sweep over everything.
-    bool any = false;
-    for (std::size_t t = 0; t < ps_.tensor_count() && !any; ++t) any = needs_sums(t);
-    if (!any) {
+    if (!needs_any_sums(opt_, ps_)) {
       prepare_normless();
       apply(every);
     } else {

@@ -1,0 +1,16 @@
+// A second CUDA translation unit in every GPU test program (linked through gpu_main): it includes
+// every device header, so a kernel or function defined in a header without inline, static or
+// template linkage shows up as a "multiple definition" link error of every GPU test, here and not
+// in a user's program that includes lockstep from two .cu files.
+#include <lockstep/device/codec.hpp>
+#include <lockstep/device/collectives.hpp>
+#include <lockstep/device/executor.hpp>
+#include <lockstep/device/group.hpp>
+#include <lockstep/device/optim.hpp>
+#include <lockstep/device/reduce.hpp>
+#include <lockstep/device/runtime.hpp>
+#include <lockstep/device/step.hpp>
+#include <lockstep/transport/inproc_device.hpp>
+
+// Referenced by main.cpp, so that the linker takes this object out of the gpu_main archive.
+int lockstep_second_tu_linked = 1;
