@@ -46,7 +46,7 @@ inline void usage(const char* program, const options& d) {
       "\n"
       "optimizer and schedule (linear warmup from 0, then polynomial decay to --end-lr)\n"
       "  --optimizer O         sgd (momentum, torch form) | lars (trust ratio per tensor) (default %s)\n"
-      "  --lr PEAK             peak learning rate after warmup (default %g)\n"
+      "  --lr PEAK             peak learning rate after warmup (default 0.02 for sgd, 0.2 for lars)\n"
       "  --warmup-epochs W     epochs of linear warmup (default %g)\n"
       "  --end-lr L            learning rate at the last step (default %g)\n"
       "  --power P             exponent of the decay; 1 = linear (default %g)\n"
@@ -57,7 +57,7 @@ inline void usage(const char* program, const options& d) {
       "  --seed S              model initialisation, data order and augmentation (default %llu)\n"
       "  --help                this text\n",
       program, d.data.c_str(), d.out.c_str(), d.print_every, d.channels[0], d.channels[1], d.channels[2], d.label_smoothing,
-      d.bn_group, d.ranks, d.batch, d.topology.c_str(), d.codec.c_str(), d.codec_block, d.optimizer.c_str(), d.lr,
+      d.bn_group, d.ranks, d.batch, d.topology.c_str(), d.codec.c_str(), d.codec_block, d.optimizer.c_str(),
       d.warmup_epochs, d.end_lr, d.power, d.momentum, d.weight_decay, d.lars_trust, d.epochs,
       static_cast<unsigned long long>(d.seed));
 }
