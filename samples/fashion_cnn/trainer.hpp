@@ -1,5 +1,6 @@
 // samples/fashion_cnn/trainer.hpp: synchronous data-parallel training of the Fashion-MNIST CNN
-// over lockstep: what lockstep-train-fashion runs, kept in a header so the tests can run it too.
+// over lockstep: what lockstep-train-fashion and lockstep-train-fashion-cuda run, kept in headers
+// so the tests can run it too.
 //
 // Purpose: show the library doing the work of a real trainer. Each replica (a thread, or an MPI
 // process) runs the same loop:
@@ -7,7 +8,8 @@
 //   forward, batch-norm statistics over its group of G replicas (a group made by split)
 //   backward; each bucket of gradients (one per block) starts its all_reduce_async the moment it
 //   is written, so the classifier's gradients travel while the convolutions' are computed
-//   wait for the buckets; optim::update (SGD or LARS) with the warmup + polynomial-decay rate
+//   the update (SGD or LARS) with the warmup + polynomial-decay rate once the buckets are done
+// (the step itself is the backend's: replica_cpu.hpp on oneDNN, replica_cuda.cuh on cuDNN)
 // and after every epoch averages the batch-norm running statistics over all replicas, measures
 // test accuracy (each replica a slice of the test set), and rank 0 writes the CSV row, the
 // checkpoint (atomically) and the plot.
