@@ -291,6 +291,22 @@ TEST_CASE("codec ids tell formats and block sizes apart", "[codec]") {
   static_assert(!codec::feedback_codec<codec::int8>);
 }
 
+TEST_CASE("error feedback refuses to grow without end when buffers move, and forgets on request", "[codec][ef]") {
+  codec::error_feedback<codec::int8> ef(codec::int8{}, 4);
+  std::vector<float> bufs[5];
+  for (int i = 0; i < 4; ++i) REQUIRE(ef.residual(&bufs[i], 8, 0) != nullptr);
+  CHECK(ef.residual(&bufs[0], 8, 0) == ef.residual(&bufs[0], 8, 0));  // the same key: the same storage
+  CHECK(ef.buffers() == 4);
+  CHECK_THROWS_WITH(ef.residual(&bufs[4], 8, 0), Catch::Contains("per buffer address") && Catch::Contains("4 ("));
+  ef.forget(&bufs[1]);
+  CHECK(ef.buffers() == 3);
+  float* r = ef.residual(&bufs[4], 8, 1);
+  REQUIRE(r != nullptr);
+  CHECK(r[7] == 0.0f);  // a new key starts from zero
+  ef.reset();
+  CHECK(ef.buffers() == 0);
+}
+
 TEST_CASE("error feedback keeps the running sum of decoded values close to the true sum", "[codec][ef]") {
   codec::error_feedback<codec::dyntree8> ef;
   codec::dyntree8 plain;

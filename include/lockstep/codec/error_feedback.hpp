@@ -7,25 +7,39 @@
 //   v = x + r;  wire = C(v);  r = v - decode(wire)
 // Over many steps the rounding errors cancel instead of accumulating (Seide et al. 2014; Dettmers
 // 2016 section 4). The object is stateful and belongs to one rank: pass the same object to every
-// call on the same buffer.
+// call on the same buffer, and keep that buffer where it is. A program that hands every step a
+// freshly allocated gradient buffer would start each step from zero residuals (error feedback
+// silently off) while the table grew without end; past max_buffers keys (default 4096) that is
+// what is happening, and residual() throws instead. forget(buffer) drops a buffer about to be
+// freed, reset() drops all.
 #pragma once
 
 #include <cstddef>
+#include <iterator>
 #include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "../core/error.hpp"
 #include "concept.hpp"
 
 namespace lockstep::codec {
+
+// How many (buffer, count, phase) keys an error_feedback keeps residuals for by default (the
+// device group keeps the same bound).
+inline constexpr std::size_t error_feedback_max_buffers = 4096;
 
 template <codec C>
 class error_feedback {
  public:
   static constexpr bool identity = false;
 
+  static constexpr std::size_t default_max_buffers = error_feedback_max_buffers;
+
   error_feedback() = default;
-  explicit error_feedback(C inner) : inner_(std::move(inner)) {}
+  explicit error_feedback(C inner, std::size_t max_buffers = default_max_buffers)
+      : inner_(std::move(inner)), max_buffers_(max_buffers) {}
 
   constexpr auto name() const noexcept { return inner_.name(); }
   constexpr std::uint32_t id() const noexcept { return inner_.id(); }
@@ -38,11 +52,25 @@ class error_feedback {
 
   // The residual of a buffer of n elements in a phase, zero on first use.
   float* residual(const void* key, std::size_t n, int phase) {
-    auto& r = residuals_[{key, n, phase}];
-    if (r.size() != n) r.assign(n, 0.0f);
-    return r.data();
+    const auto k = std::make_tuple(key, n, phase);
+    auto it = residuals_.find(k);
+    if (it == residuals_.end()) {
+      if (residuals_.size() >= max_buffers_)
+        throw error(errc::invalid_argument, "error_feedback", -1, -1,
+                    "residuals kept for " + std::to_string(residuals_.size()) +
+                        " (buffer, count, phase) keys already: residuals are kept per buffer address, so "
+                        "reduce the same gradient buffers every step (or forget() a buffer before freeing it)");
+      it = residuals_.emplace(k, std::vector<float>(n, 0.0f)).first;
+    }
+    return it->second.data();
+  }
+  // Drops the residuals of every call on `key` (a buffer about to be freed or moved).
+  void forget(const void* key) {
+    for (auto it = residuals_.begin(); it != residuals_.end();)
+      it = std::get<0>(it->first) == key ? residuals_.erase(it) : std::next(it);
   }
   void reset() { residuals_.clear(); }
+  std::size_t buffers() const noexcept { return residuals_.size(); }
 
   void encode_with_residual(const float* in, std::size_t n, std::byte* out, float* residual) {
     thread_local std::vector<float> v;
@@ -57,6 +85,7 @@ class error_feedback {
 
  private:
   C inner_{};
+  std::size_t max_buffers_ = default_max_buffers;
   std::map<std::tuple<const void*, std::size_t, int>, std::vector<float>> residuals_;
 };
 

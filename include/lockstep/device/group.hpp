@@ -11,12 +11,14 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
 
+#include "../codec/error_feedback.hpp"  // error_feedback_max_buffers
 #include "../collective/group.hpp"  // group_options
 #include "runtime.hpp"
 #include "transport.hpp"
@@ -90,13 +92,26 @@ class group {
 
   // Error-feedback residual of (codec object, buffer, count, phase), zero on first use. Kept here,
   // on the device, rather than in the codec, whose residuals are host vectors.
+  // Past codec::error_feedback's max_buffers keys (buffers that move every step: residuals would
+  // restart from zero each time and device memory grow without end) this throws, as on the host.
   float* residual(const void* codec, const void* buf, std::size_t n, int phase) {
-    auto& r = residuals_[{codec, buf, n, phase}];
-    if (r.size() != n) {
-      r = buffer<float>(n, stream());
-      check(cudaMemsetAsync(r.data(), 0, n * sizeof(float), stream()), "error_feedback residual");
+    const auto key = std::make_tuple(codec, buf, n, phase);
+    auto it = residuals_.find(key);
+    if (it == residuals_.end()) {
+      if (residuals_.size() >= codec::error_feedback_max_buffers)
+        throw error(errc::invalid_argument, "error_feedback", rank(), -1,
+                    "device residuals kept for " + std::to_string(residuals_.size()) +
+                        " (codec, buffer, count, phase) keys already: they are kept per buffer address, so reduce "
+                        "the same gradient buffers every step (or forget_residuals() a buffer before freeing it)");
+      it = residuals_.emplace(key, buffer<float>(n, stream())).first;
+      check(cudaMemsetAsync(it->second.data(), 0, n * sizeof(float), stream()), "error_feedback residual");
     }
-    return r.data();
+    return it->second.data();
+  }
+  // Drops the residuals of every call on `buf` (freed in stream order).
+  void forget_residuals(const void* buf) {
+    for (auto it = residuals_.begin(); it != residuals_.end();)
+      it = std::get<1>(it->first) == buf ? residuals_.erase(it) : std::next(it);
   }
 
   // An event recorded now on the stream, wrapped as the request of collective `label`.
