@@ -137,7 +137,9 @@ LOCKSTEP_HD inline double xent_row(float* p, int* argmax, const float* z, int la
   for (int c = 0; c < NC; ++c) {
     const double logp = z[c] - zmax - log_sum;
     p[c] = static_cast<float>(exp(logp));
-    loss -= xent_target(c, label, NC, smoothing) * logp;
+    // the target in double here (the loss is reported), in float in the gradient (xent_grad)
+    const double q = smoothing / NC + (c == label ? 1.0 - smoothing : 0.0);
+    loss -= q * logp;
   }
   *argmax = best;
   return loss;

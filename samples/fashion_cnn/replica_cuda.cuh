@@ -122,7 +122,7 @@ class gpu_replica {
 
   // The key the device executor uses: (codec, the bucket's address, its length, phase).
   float* residual_of(std::size_t first, std::size_t last, int phase) {
-    return dg_.residual(&codec_, m_.grads.data() + first, last - first, phase);
+    return dg_.residual(codec_, m_.grads.data() + first, last - first, phase);
   }
 
   std::vector<float> download(const float* d, std::size_t n) {

@@ -110,7 +110,7 @@ inline std::uint64_t options_fingerprint(const options& o) {
   // The flags that change what a step computes; resuming under other values is refused.
   std::ostringstream s;
   s << o.batch << ' ' << o.ranks << ' ' << o.topology << ' ' << o.codec << ' ' << o.codec_block << ' '
-    << o.error_feedback << ' ' << o.optimizer << ' ' << o.lr << ' ' << o.warmup_epochs << ' ' << o.end_lr << ' '
+    << o.error_feedback << ' ' << o.optimizer << ' ' << peak_lr(o) << ' ' << o.warmup_epochs << ' ' << o.end_lr << ' '
     << o.power << ' ' << o.momentum << ' ' << o.weight_decay << ' ' << o.lars_trust << ' ' << o.label_smoothing
     << ' ' << o.bn_group << ' ' << o.augment << ' ' << o.train_limit << ' ' << o.epochs;
   std::uint64_t h = 1469598103934665603ull;

@@ -1,7 +1,8 @@
 // A second CUDA translation unit in every GPU test program (linked through gpu_main): it includes
-// every device header, so a kernel or function defined in a header without inline, static or
-// template linkage shows up as a "multiple definition" link error of every GPU test, here and not
-// in a user's program that includes lockstep from two .cu files.
+// every device header (but transport/nccl.hpp, which needs NCCL to link), so a kernel or function
+// defined in a header without inline, static or template linkage shows up as a "multiple
+// definition" link error of every GPU test, here and not in a user's program that includes
+// lockstep from two .cu files.
 #include <lockstep/device/codec.hpp>
 #include <lockstep/device/collectives.hpp>
 #include <lockstep/device/executor.hpp>

@@ -9,8 +9,9 @@
 // 2016 section 4). The object is stateful and belongs to one rank: pass the same object to every
 // call on the same buffer, and keep that buffer where it is. A program that hands every step a
 // freshly allocated gradient buffer would start each step from zero residuals (error feedback
-// silently off) while the table grew without end; past max_buffers keys (default 4096) that is
-// what is happening, and residual() throws instead. forget(buffer) drops a buffer about to be
+// silently off) while the table grew without end; past max_buffers keys (default 16384; an
+// all_reduce takes two per buffer, one per phase) that is what is happening, and residual()
+// throws instead. forget(buffer) drops a buffer about to be
 // freed, reset() drops all.
 #pragma once
 
@@ -26,9 +27,9 @@
 
 namespace lockstep::codec {
 
-// How many (buffer, count, phase) keys an error_feedback keeps residuals for by default (the
-// device group keeps the same bound).
-inline constexpr std::size_t error_feedback_max_buffers = 4096;
+// How many (buffer, count, phase) keys an error_feedback keeps residuals for by default; the device
+// group applies the same object's bound to the residuals it keeps for it.
+inline constexpr std::size_t error_feedback_max_buffers = 16384;
 
 template <codec C>
 class error_feedback {
@@ -58,8 +59,9 @@ class error_feedback {
       if (residuals_.size() >= max_buffers_)
         throw error(errc::invalid_argument, "error_feedback", -1, -1,
                     "residuals kept for " + std::to_string(residuals_.size()) +
-                        " (buffer, count, phase) keys already: residuals are kept per buffer address, so "
-                        "reduce the same gradient buffers every step (or forget() a buffer before freeing it)");
+                        " (buffer, count, phase) keys already (an all_reduce takes two per buffer): residuals "
+                        "are kept per buffer address, so reduce the same gradient buffers every step (or "
+                        "forget() a buffer before freeing it), or allow more in the constructor");
       it = residuals_.emplace(k, std::vector<float>(n, 0.0f)).first;
     }
     return it->second.data();
@@ -71,6 +73,7 @@ class error_feedback {
   }
   void reset() { residuals_.clear(); }
   std::size_t buffers() const noexcept { return residuals_.size(); }
+  std::size_t max_buffers() const noexcept { return max_buffers_; }
 
   void encode_with_residual(const float* in, std::size_t n, std::byte* out, float* residual) {
     thread_local std::vector<float> v;

@@ -82,7 +82,7 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
   auto encode = [&](std::uint32_t c, int ef_phase) {
     const auto [lo, hi] = range(c);
     if constexpr (codec::feedback_codec<C>)
-      device::encode(codec, x + lo, hi - lo, wire + wire_off[c], st, g.residual(&codec, x, n, ef_phase) + lo);
+      device::encode(codec, x + lo, hi - lo, wire + wire_off[c], st, g.residual(codec, x, n, ef_phase) + lo);
     else
       device::encode(codec, x + lo, hi - lo, wire + wire_off[c], st);
   };

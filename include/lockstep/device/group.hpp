@@ -92,17 +92,21 @@ class group {
 
   // Error-feedback residual of (codec object, buffer, count, phase), zero on first use. Kept here,
   // on the device, rather than in the codec, whose residuals are host vectors.
-  // Past codec::error_feedback's max_buffers keys (buffers that move every step: residuals would
-  // restart from zero each time and device memory grow without end) this throws, as on the host.
-  float* residual(const void* codec, const void* buf, std::size_t n, int phase) {
-    const auto key = std::make_tuple(codec, buf, n, phase);
+  // Past the codec's max_buffers() keys (buffers that move every step: residuals would restart
+  // from zero each time and device memory grow without end) this throws, as on the host.
+  template <class Codec>
+  float* residual(const Codec& ef, const void* buf, std::size_t n, int phase) {
+    const auto key = std::make_tuple(static_cast<const void*>(&ef), buf, n, phase);
     auto it = residuals_.find(key);
     if (it == residuals_.end()) {
-      if (residuals_.size() >= codec::error_feedback_max_buffers)
+      std::size_t bound = codec::error_feedback_max_buffers;
+      if constexpr (requires { ef.max_buffers(); }) bound = ef.max_buffers();
+      if (residuals_.size() >= bound)
         throw error(errc::invalid_argument, "error_feedback", rank(), -1,
                     "device residuals kept for " + std::to_string(residuals_.size()) +
-                        " (codec, buffer, count, phase) keys already: they are kept per buffer address, so reduce "
-                        "the same gradient buffers every step (or forget_residuals() a buffer before freeing it)");
+                        " (codec, buffer, count, phase) keys already (an all_reduce takes two per buffer): they "
+                        "are kept per buffer address, so reduce the same gradient buffers every step (or "
+                        "forget_residuals() a buffer before freeing it), or allow more in the codec's constructor");
       it = residuals_.emplace(key, buffer<float>(n, stream())).first;
       check(cudaMemsetAsync(it->second.data(), 0, n * sizeof(float), stream()), "error_feedback residual");
     }
