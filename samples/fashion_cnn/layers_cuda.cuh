@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include <lockstep/device/runtime.hpp>
+
 #include "layers_math.hpp"
 
 namespace fashion::gpu {
@@ -38,15 +40,13 @@ namespace fashion::gpu {
 // ----------------------------------------------------------------------------------------------
 // Errors and the per-thread context.
 
-inline void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using lockstep::device::check;  // cudaError_t: lockstep's own, a lockstep::error naming the call
 inline void check(cudnnStatus_t e, const char* what) {
   if (e != CUDNN_STATUS_SUCCESS) throw std::runtime_error(std::string(what) + ": " + cudnnGetErrorString(e));
 }
 inline void check(cublasStatus_t e, const char* what) {
   if (e != CUBLAS_STATUS_SUCCESS)
-    throw std::runtime_error(std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(e)));
+    throw std::runtime_error(std::string(what) + ": " + cublasGetStatusString(e));
 }
 #define LOCKSTEP_SAMPLE_CHECK(call) ::fashion::gpu::check((call), #call)
 

@@ -11,8 +11,7 @@
 // freshly allocated gradient buffer would start each step from zero residuals (error feedback
 // silently off) while the table grew without end; past max_buffers keys (default 16384; an
 // all_reduce takes two per buffer, one per phase) that is what is happening, and residual()
-// throws instead. forget(buffer) drops a buffer about to be
-// freed, reset() drops all.
+// throws instead. forget(buffer) drops a buffer about to be freed, reset() drops all.
 #pragma once
 
 #include <cstddef>

@@ -45,7 +45,7 @@ namespace kernels {
 
 // residual may be null (no error feedback).
 static __global__ void fp32_encode_feedback(const float* __restrict__ x, float* __restrict__ residual,
-                                     std::size_t n, float* __restrict__ out) {
+                                            std::size_t n, float* __restrict__ out) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const float v = __fadd_rn(x[i], residual[i]);
     out[i] = v;
@@ -59,7 +59,7 @@ static __global__ void fp32_decode_add(const float* __restrict__ in, std::size_t
 }
 
 static __global__ void bf16_encode(const float* __restrict__ x, float* __restrict__ residual, std::size_t n,
-                            std::uint16_t* __restrict__ out) {
+                                   std::uint16_t* __restrict__ out) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     const float v = residual ? __fadd_rn(x[i], residual[i]) : x[i];
     const std::uint16_t h = codec::bf16_from_bits(__float_as_uint(v));
