@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -34,16 +35,17 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-// "64M" = 64 MiB, "1K" = 1 KiB, "1G" = 1 GiB; plain numbers are bytes (or counts).
+// "64M" = 64 MiB, "1K" = 1 KiB, "1G" = 1 GiB; plain numbers are bytes (or counts). tc's byte
+// units (256kb, 2mb: powers of 1024 too) are accepted, so netlab's "burst" reads as tc took it.
 double parse_size(const std::string& s) {
   std::size_t used = 0;
   const double v = std::stod(s, &used);
   const std::string unit = s.substr(used);
-  if (unit.empty()) return v;
-  if (unit == "K" || unit == "k") return v * 1024;
-  if (unit == "M" || unit == "m") return v * 1024 * 1024;
-  if (unit == "G" || unit == "g") return v * 1024 * 1024 * 1024;
-  throw std::invalid_argument("size '" + s + "': units are K, M, G (powers of 1024)");
+  if (unit.empty() || unit == "b") return v;
+  if (unit == "K" || unit == "k" || unit == "kb") return v * 1024;
+  if (unit == "M" || unit == "m" || unit == "mb") return v * 1024 * 1024;
+  if (unit == "G" || unit == "g" || unit == "gb") return v * 1024 * 1024 * 1024;
+  throw std::invalid_argument("size '" + s + "': units are K, M, G (powers of 1024; tc's kb, mb, gb alike)");
 }
 
 struct options {
@@ -72,6 +74,9 @@ void usage() {
       "  --ranks-per-host K   ranks sharing one NIC (default 1)\n"
       "  --switch-gbit G      shared switch core (default 0: non-blocking)\n"
       "  --segment-bytes B    the transport's segment size (default 1M)\n"
+      "  --burst B            each NIC direction is a token bucket of B bytes (tc tbf's burst;\n"
+      "                       default 0: a plain rate); --fit: for lines without netlab's \"burst\"\n"
+      "  --burst-gbit G       how fast the bucket's bytes leave (default 0: at once)\n"
       "  --no-handshake       leave out the executor's header exchange\n"
       "  --send-ahead         model an executor that posts a step's sends before its receives\n"
       "  --measure-gamma      measure codec encode/decode rates on this machine (else gamma = 0)\n"
@@ -111,6 +116,8 @@ options parse(int argc, char** argv) {
     else if (a == "--ranks-per-host") o.cl.ranks_per_host = std::stoi(next());
     else if (a == "--switch-gbit") o.cl.switch_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--segment-bytes") o.cl.segment_bytes = static_cast<std::size_t>(parse_size(next()));
+    else if (a == "--burst") o.cl.nic.burst_bytes = parse_size(next());
+    else if (a == "--burst-gbit") o.cl.nic.burst_rate_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--no-handshake") o.cl.handshake = false;
     else if (a == "--send-ahead") o.cl.send_ahead = true;
     else if (a == "--measure-gamma") o.measure_gamma = true;
@@ -195,21 +202,43 @@ int run_fit(options& o) {
     const auto& c = models.at(l["codec"]);
     samples.push_back(sim::sample_of(*t, c.rates, std::stod(l["time_us"]) * 1e-6));
   }
-  const sim::fit_result f = sim::fit_alpha_beta(samples);
+  sim::fit_result f = sim::fit_alpha_beta(samples);
+  // The links' token bucket in each measurement: the "burst" netlab recorded, else --burst.
+  auto burst_of = [&](sim::json_object& l) { return l.count("burst") ? parse_size(l["burst"]) : o.cl.nic.burst_bytes; };
+  double max_burst = 0;
+  for (auto& l : lines)
+    if (l.count("time_us")) max_burst = std::max(max_burst, burst_of(l));
+  if (max_burst > 0) {
+    // no closed form for a bucket: refine the linear fit on the simulator's own predictions
+    std::vector<sim::measured_run> runs;
+    for (auto& l : lines)
+      if (auto r = sim::run_of(l, models, burst_of(l))) runs.push_back(*r);
+    sim::link_params start = f.link;
+    start.burst_rate_Bps = o.cl.nic.burst_rate_Bps;  // --burst-gbit: measured, not fitted
+    f = sim::fit_by_simulation(runs, o.cl, start, o.cl.nic.burst_rate_Bps == 0);
+  }
+  const double default_burst = o.cl.nic.burst_bytes;
   o.cl.nic = f.link;
+  o.cl.nic.burst_bytes = default_burst;
   print_gamma(o, models);
   if (o.json)
     std::printf("{\"kind\":\"fit\",\"alpha_us\":%.3f,\"bandwidth_Gbit\":%.4f,\"exchange_efficiency\":%.4f,"
-                "\"samples\":%zu,\"exchange_samples\":%zu,\"alpha_pinned\":%s,\"eta_tied\":%s,\"rms_rel_err\":%.4f}\n",
-                f.link.latency_s * 1e6, f.link.bandwidth_Bps * 8 / 1e9, f.link.exchange_efficiency, f.samples,
+                "\"max_burst_bytes\":%.0f,\"burst_rate_Gbit\":%.4f,\"samples\":%zu,\"exchange_samples\":%zu,\"alpha_pinned\":%s,\"eta_tied\":%s,\"rms_rel_err\":%.4f}\n",
+                f.link.latency_s * 1e6, f.link.bandwidth_Bps * 8 / 1e9, f.link.exchange_efficiency, max_burst,
+                f.link.burst_rate_Bps * 8 / 1e9, f.samples,
                 f.exchange_samples, f.alpha_pinned ? "true" : "false", f.eta_tied ? "true" : "false",
                 f.rms_relative_error);
   else
     std::printf("# fit over %zu measurements (%zu with pairwise exchanges): alpha %.1f us%s, bandwidth %.4f Gbit/s, "
-                "exchange efficiency %.3f%s, rms relative error %.1f%%\n",
+                "exchange efficiency %.3f%s, %s, rms relative error %.1f%%\n",
                 f.samples, f.exchange_samples, f.link.latency_s * 1e6, f.alpha_pinned ? " (pinned)" : "",
                 f.link.bandwidth_Bps * 8 / 1e9, f.link.exchange_efficiency,
-                f.eta_tied ? " (not determined or out of range: 1)" : "", 100 * f.rms_relative_error);
+                f.eta_tied ? " (not determined or out of range: 1)" : "",
+                max_burst > 0 ? ("token buckets (up to " + std::to_string(static_cast<long long>(max_burst)) +
+                                 " bytes) drained at " + std::to_string(f.link.burst_rate_Bps * 8 / 1e9) +
+                                 " Gbit/s, fitted through the simulator").c_str()
+                              : "no token bucket (closed-form fit)",
+                100 * f.rms_relative_error);
   if (!o.compare) return 0;
   if (!o.json)
     std::printf("%-9s %-9s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
@@ -221,7 +250,9 @@ int run_fit(options& o) {
     if (l["topology"] != "ring" && l["topology"] != "torus2d") continue;
     const int size = std::stoi(l.count("ranks") ? l["ranks"] : l["size"]);
     const double bytes = std::stod(l["bytes"]), measured = std::stod(l["time_us"]) * 1e-6;
-    const auto p = predict(l["topology"], models.at(l["codec"]), size, static_cast<std::size_t>(bytes) / 4, o.cl);
+    sim::cluster cl = o.cl;
+    cl.nic.burst_bytes = burst_of(l);
+    const auto p = predict(l["topology"], models.at(l["codec"]), size, static_cast<std::size_t>(bytes) / 4, cl);
     const double err = (p.sim_s - measured) / measured;
     if (bytes >= o.min_compare_bytes) {
       ++total;

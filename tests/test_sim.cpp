@@ -340,3 +340,112 @@ TEST_CASE("the fit keeps eta in (0, 1]", "[sim][exchange]") {
     REQUIRE(f.link.bandwidth_Bps > 0);
   }
 }
+
+// Token buckets (link_params::burst_bytes): tc tbf's arithmetic on one link, then whole runs.
+TEST_CASE("a token bucket lets its credit through at once and the rest at the rate", "[sim][bucket]") {
+  sim::link_params l{0.0, 1e6};  // 1 MB/s: seconds read as megabytes
+  l.burst_bytes = 250e3;
+  sim::detail::shaper out{0.0, l.burst_bytes}, in{0.0, l.burst_bytes};
+  auto path = std::array{&out, &in};
+  // a message within the full bucket leaves at once and spends its bytes
+  REQUIRE(sim::detail::transmit(path, 1.0, 100e3, l.bandwidth_Bps, l) == 1.0);
+  REQUIRE(out.tokens == Approx(150e3));
+  // right after: 150 kB of credit, the other 250 kB at 1 MB/s
+  REQUIRE(sim::detail::transmit(path, 1.0, 400e3, l.bandwidth_Bps, l) == Approx(1.25));
+  REQUIRE(out.tokens == Approx(0.0).margin(1e-6));
+  // 0.1 s idle refills 100 kB; the scarcer of two buckets decides
+  in.tokens = 20e3, in.free = 1.25;
+  REQUIRE(sim::detail::transmit(path, 1.35, 200e3, l.bandwidth_Bps, l) == Approx(1.35 + (200e3 - 100e3) / 1e6));
+  // never more than the depth, however long the link idled
+  REQUIRE(out.credit(100.0, l) == l.burst_bytes);
+  // a burst rate drains the credit at that rate, not at once
+  l.burst_rate_Bps = 4e6;
+  sim::detail::shaper a{0.0, l.burst_bytes}, b{0.0, l.burst_bytes};
+  REQUIRE(sim::detail::transmit(std::array{&a, &b}, 0.0, 450e3, l.bandwidth_Bps, l) ==
+          Approx(250e3 / 4e6 + 200e3 / 1e6));
+  // in an exchange the rest moves at eta x bandwidth
+  sim::detail::shaper c{0.0, 0.0};
+  REQUIRE(sim::detail::transmit(std::array{&c}, 0.0, 100e3, 0.5 * l.bandwidth_Bps, l) == Approx(0.2));
+}
+
+TEST_CASE("with a token bucket the shortcut still equals the full event run", "[sim][bucket]") {
+  const bool torus = GENERATE(false, true);
+  const int size = GENERATE(4, 12, 16);
+  const double rate = GENERATE(0.0, 4e9 / 8);
+  sim::cluster cl = gigabit();
+  cl.nic.burst_bytes = 96 * 1024;
+  cl.nic.burst_rate_Bps = rate;
+  cl.nic.exchange_efficiency = 0.7;
+  sim::codec_model c = sim::codec_by_name("int8");
+  c.rates = some_gamma();
+  const std::size_t n = static_cast<std::size_t>(size) * 12288;
+  sim::simulator s(cl, c);
+  s.set_symmetry_checks(0);
+  auto fast = torus ? s.all_reduce(topology::torus2d{}, size, n) : s.all_reduce(topology::ring{}, size, n);
+  REQUIRE(s.last_was_symmetric());
+  CAPTURE(torus, size, rate);
+  REQUIRE(fast.time_s == Approx(full_run(cl, c, size, n, torus)).epsilon(1e-12));
+}
+
+TEST_CASE("a bucket turns idle time into bandwidth, within its depth", "[sim][bucket]") {
+  const bool torus = GENERATE(false, true);
+  sim::cluster plain = gigabit();
+  plain.nic.latency_s = 0;
+  sim::codec_model c = sim::codec_by_name(GENERATE(as<std::string>{}, "fp32", "int8"));
+  c.rates = some_gamma();
+  const int size = 4;
+  const std::size_t n = std::size_t{1} << 22;
+  auto run = [&](double burst) {
+    sim::cluster cl = plain;
+    cl.nic.burst_bytes = burst;
+    sim::simulator s(cl, c);
+    return torus ? s.all_reduce(topology::torus2d{}, size, n) : s.all_reduce(topology::ring{}, size, n);
+  };
+  const double t0 = run(0).time_s, t_small = run(64 * 1024).time_s, t_big = run(1 << 20).time_s;
+  CAPTURE(torus, c.name, t0, t_small, t_big);
+  // a deeper bucket never slows a run down
+  REQUIRE(t_small <= t0);
+  REQUIRE(t_big <= t_small);
+  // and no bucket can make the link faster than its rate over the whole run beyond its credit:
+  // each of a rank's messages gains at most the depth / rate (there are `messages / size` of them)
+  const auto r = run(1 << 20);
+  const double per_rank = static_cast<double>(r.messages) / size;
+  REQUIRE(t0 - t_big <= per_rank * (1 << 20) / plain.nic.bandwidth_Bps + 1e-12);
+  // fp32 sends back to back and gains only the first full bucket; a lossy codec computes between
+  // its messages, the bucket refills meanwhile, and it gains more than one bucket's worth
+  const double one_bucket = (1 << 20) / plain.nic.bandwidth_Bps;
+  if (c.identity) REQUIRE(t0 - t_big <= 2 * one_bucket + 1e-12);
+  else REQUIRE(t0 - t_big > one_bucket);
+}
+
+TEST_CASE("the simulation fit recovers alpha, bandwidth, eta and the burst rate", "[sim][bucket]") {
+  sim::cluster truth = gigabit();
+  truth.segment_bytes = std::size_t{1} << 20;
+  truth.nic = {900e-6, 100e6, 0.65, 0, 300e6};
+  std::vector<sim::measured_run> runs;
+  for (double burst : {128.0 * 1024, 256.0 * 1024, 1024.0 * 1024})
+    for (const char* topo : {"ring", "torus2d"})
+      for (const char* codec : {"fp32", "int8"})
+        for (std::size_t mib : {4, 16, 64}) {
+          sim::codec_model c = sim::codec_by_name(codec);
+          c.rates = some_gamma();
+          sim::measured_run m{topo, 4, mib << 18, c, 0, burst};
+          m.seconds = sim::simulate(m, truth);
+          runs.push_back(m);
+        }
+  // start where a closed-form fit would: no bucket, a rough latency and rate
+  sim::link_params start{100e-6, 120e6, 0.8};
+  const sim::fit_result f = sim::fit_by_simulation(runs, truth, start);
+  CAPTURE(f.link.latency_s, f.link.bandwidth_Bps, f.link.exchange_efficiency, f.link.burst_rate_Bps, f.rms_relative_error);
+  REQUIRE(f.rms_relative_error < 0.005);
+  REQUIRE(f.link.bandwidth_Bps == Approx(100e6).epsilon(0.02));
+  REQUIRE(f.link.exchange_efficiency == Approx(0.65).epsilon(0.03));
+  REQUIRE(f.link.latency_s == Approx(900e-6).epsilon(0.15));
+  REQUIRE(f.link.burst_rate_Bps == Approx(300e6).epsilon(0.15));
+}
+
+TEST_CASE("a negative bucket is refused", "[sim][bucket]") {
+  sim::cluster cl = gigabit();
+  cl.nic.burst_bytes = -1;
+  REQUIRE_THROWS_WITH(sim::simulator(cl, sim::codec_by_name("fp32")), Catch::Contains("burst_bytes"));
+}

@@ -43,10 +43,21 @@ namespace lockstep::sim {
 // TCP over shaped links gets less: data and the reverse flow's ACKs share one queue (two-way
 // traffic, Zhang, Shenker & Clark 1991); netlab measures eta ~0.6 (docs/scaling.md). A one-way
 // ring step (send to i+1, receive from i-1) always moves at the full bandwidth.
+//
+// burst_bytes: the link is a token bucket (tc's tbf, a cloud NIC's rate limiter), not a pipe of
+// fixed rate: tokens accrue at the bandwidth while the link idles, up to burst_bytes, and that many
+// bytes leave at once. A sender that computes between messages (a lossy codec's encode and decode)
+// banks its idle time as later bandwidth. 0 (the default) is a plain rate. Credited bytes leave at
+// burst_rate_Bps (tbf without a peak rate: as fast as the path beneath it, for netlab the unshaped
+// TCP path; 0 = at once). netlab's links have a 256 KiB bucket at 1 Gbit/s, and the bucket's depth
+// moves an int8 all-reduce by up to 40% (docs/scaling.md). Only the simulator models it; the closed
+// forms leave it out.
 struct link_params {
   double latency_s = 25e-6;         // alpha
   double bandwidth_Bps = 125e6;     // 1 / beta; 125e6 = 1 Gbit/s
   double exchange_efficiency = 1.0; // eta, see above
+  double burst_bytes = 0;           // token bucket depth, see above
+  double burst_rate_Bps = 0;        // how fast credited bytes leave; 0: at once
   constexpr double beta() const noexcept { return 1.0 / bandwidth_Bps; }
   // Seconds per byte of a pairwise exchange: beta / eta.
   constexpr double exchange_beta() const noexcept { return 1.0 / (bandwidth_Bps * exchange_efficiency); }

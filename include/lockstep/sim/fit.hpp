@@ -12,8 +12,15 @@
 // Guards: a negative alpha is pinned at 0; an eta outside (0, 1] (beta_x <= 0 or beta_x < beta),
 // or data without both one-way and exchange bytes (eta not determined), ties beta_x = beta
 // (eta = 1); after either the rest is refitted.
+//
+// Links with a token bucket (link_params::burst_bytes > 0) have no closed form: there
+// fit_by_simulation starts from the linear fit and minimises the same relative error of the
+// simulator's own predictions over (alpha, beta, eta) and the rate at which credited bytes leave,
+// with the bucket depth given per measurement (the links' configuration, tc's burst, not a number
+// to fit); measurements at several depths pin that rate down.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <cmath>
@@ -25,6 +32,7 @@
 
 #include "../codec.hpp"
 #include "cost_model.hpp"
+#include "simulator.hpp"
 
 namespace lockstep::sim {
 
@@ -249,6 +257,161 @@ inline std::optional<cost_terms> terms_of(const json_object& o, const codec_mode
     return torus2d_terms(r, cc, n, c, segment_bytes, handshake, send_ahead);
   }
   return std::nullopt;
+}
+
+// One measured all-reduce, as the simulator replays it.
+struct measured_run {
+  std::string topology;  // ring or torus2d (the most square shape, as the benches run it)
+  int ranks = 1;
+  std::size_t n = 0;     // fp32 values
+  codec_model codec;
+  double seconds = 0;
+  double burst_bytes = -1;  // the links' token bucket in this run; < 0: the cluster's
+};
+
+// The simulator's time for one measured run on cluster cl.
+inline double simulate(const measured_run& m, cluster cl) {
+  if (m.burst_bytes >= 0) cl.nic.burst_bytes = m.burst_bytes;
+  simulator s(cl, m.codec);
+  const std::size_t n = m.n - m.n % static_cast<std::size_t>(m.ranks);
+  if (m.topology == "ring") return s.all_reduce(topology::ring{}, m.ranks, n).time_s;
+  if (m.topology == "torus2d") {
+    auto [r, c] = square_shape(m.ranks);
+    return s.all_reduce(topology::torus2d{r, c}, m.ranks, n).time_s;
+  }
+  throw std::invalid_argument("simulate: no schedule for topology '" + m.topology + "'");
+}
+
+// The measurement a JSON line describes, with its codec model from `models` (by name) and
+// burst_bytes as given; nullopt for lines the simulator does not replay (MPI_Allreduce, gloo).
+inline std::optional<measured_run> run_of(const json_object& o, const std::map<std::string, codec_model>& models,
+                                          double burst_bytes = -1) {
+  auto get = [&](const char* k) -> std::optional<std::string> {
+    auto it = o.find(k);
+    return it == o.end() ? std::nullopt : std::optional{it->second};
+  };
+  auto topo = get("topology"), codec = get("codec"), bytes = get("bytes"), t = get("time_us");
+  auto ranks = get("ranks");
+  if (!ranks) ranks = get("size");
+  if (!topo || !codec || !bytes || !t || !ranks || (*topo != "ring" && *topo != "torus2d")) return std::nullopt;
+  auto it = models.find(*codec);
+  if (it == models.end()) return std::nullopt;
+  try {
+    return measured_run{*topo, std::stoi(*ranks), static_cast<std::size_t>(std::stod(*bytes)) / sizeof(float), it->second,
+                        std::stod(*t) * 1e-6, burst_bytes};
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+namespace detail {
+// Nelder-Mead over (alpha in us, bandwidth in Gbit/s, eta, burst rate in Gbit/s) from x0, first
+// steps 50 us (or half of alpha), 10% of the bandwidth, 0.1 of eta, half the burst rate; returns
+// the best point and fn there.
+template <class F>
+std::pair<std::array<double, 4>, double> nelder_mead(const std::array<double, 4>& x0, F&& fn) {
+  constexpr std::size_t dims = 4;
+  using point = std::array<double, dims>;
+  std::array<point, dims + 1> simplex;
+  simplex.fill(x0);
+  simplex[1][0] += std::max(50.0, 0.5 * x0[0]);
+  simplex[2][1] *= 1.1;
+  simplex[3][2] = x0[2] > 0.5 ? x0[2] - 0.1 : x0[2] + 0.1;
+  simplex[4][3] *= 1.5;
+  std::array<double, dims + 1> f{};
+  for (std::size_t i = 0; i <= dims; ++i) f[i] = fn(simplex[i]);
+  for (int it = 0; it < 600; ++it) {
+    std::array<std::size_t, dims + 1> idx{};
+    for (std::size_t i = 0; i <= dims; ++i) idx[i] = i;
+    std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return f[a] < f[b]; });
+    const std::size_t best = idx[0], worst = idx[dims], second = idx[dims - 1];
+    if (f[worst] - f[best] < 1e-7) break;
+    point c{};
+    for (std::size_t k = 0; k < dims; ++k)
+      for (std::size_t d = 0; d < dims; ++d) c[d] += simplex[idx[k]][d] / dims;
+    auto along = [&](double t) {
+      point p;
+      for (std::size_t d = 0; d < dims; ++d) p[d] = c[d] + t * (simplex[worst][d] - c[d]);
+      return p;
+    };
+    const point r = along(-1.0);
+    const double fr = fn(r);
+    if (fr < f[best]) {
+      const point e = along(-2.0);
+      const double fe = fn(e);
+      if (fe < fr) simplex[worst] = e, f[worst] = fe;
+      else simplex[worst] = r, f[worst] = fr;
+    } else if (fr < f[second]) {
+      simplex[worst] = r, f[worst] = fr;
+    } else {
+      const point k = along(0.5);
+      const double fk = fn(k);
+      if (fk < f[worst]) {
+        simplex[worst] = k, f[worst] = fk;
+      } else {
+        for (std::size_t k = 1; k <= dims; ++k) {
+          const std::size_t i = idx[k];
+          for (std::size_t d = 0; d < dims; ++d) simplex[i][d] = simplex[best][d] + 0.5 * (simplex[i][d] - simplex[best][d]);
+          f[i] = fn(simplex[i]);
+        }
+      }
+    }
+  }
+  const std::size_t best = static_cast<std::size_t>(std::min_element(f.begin(), f.end()) - f.begin());
+  return {simplex[best], f[best]};
+}
+}  // namespace detail
+
+// (alpha, beta, eta, burst rate) that minimise the rms relative error of simulate() over `runs`,
+// from `start`, by Nelder-Mead on (alpha in us, bandwidth in Gbit/s, eta, burst rate in Gbit/s);
+// alpha is kept >= 0, eta in [0.05, 1], the burst rate at or above the bandwidth. The buckets'
+// depths (cl.nic.burst_bytes or each run's) and everything else of cl stay as given.
+// With fit_burst_rate false the burst rate stays start.burst_rate_Bps (a measured figure).
+inline fit_result fit_by_simulation(const std::vector<measured_run>& runs, cluster cl, const link_params& start,
+                                    bool fit_burst_rate = true) {
+  if (runs.size() < 2) throw std::invalid_argument("fit: need at least two measurements, got " + std::to_string(runs.size()));
+  constexpr std::size_t dims = 4;
+  using point = std::array<double, dims>;
+  auto link_of = [&](const point& x) {
+    link_params l = cl.nic;
+    l.latency_s = std::max(0.0, x[0]) * 1e-6;
+    l.bandwidth_Bps = std::max(1e-3, x[1]) * 1e9 / 8;
+    l.exchange_efficiency = std::clamp(x[2], 0.05, 1.0);
+    l.burst_rate_Bps = fit_burst_rate ? std::max(x[3], std::max(1e-3, x[1])) * 1e9 / 8 : start.burst_rate_Bps;
+    return l;
+  };
+  auto error = [&](const point& x) {
+    cl.nic = link_of(x);
+    double se = 0;
+    for (const measured_run& m : runs) {
+      const double e = (simulate(m, cl) - m.seconds) / m.seconds;
+      se += e * e;
+    }
+    return std::sqrt(se / static_cast<double>(runs.size()));
+  };
+  const double bw0 = start.bandwidth_Bps * 8 / 1e9;
+  point x0{start.latency_s * 1e6, bw0, start.exchange_efficiency,
+           start.burst_rate_Bps > 0 ? start.burst_rate_Bps * 8 / 1e9 : 4 * bw0};
+  // Nelder-Mead stalls on this surface (alpha and the burst rate trade against each other), so it
+  // restarts from its best point with a fresh simplex until a restart gains nothing.
+  double fx0 = error(x0);
+  for (int restart = 0; restart < 8; ++restart) {
+    const auto [x, fx] = detail::nelder_mead(x0, error);
+    const bool gained = fx < fx0 - 1e-6;
+    if (fx < fx0) x0 = x, fx0 = fx;
+    if (!gained) break;
+  }
+  fit_result r;
+  r.link = link_of(x0);
+  r.rms_relative_error = fx0;
+  r.samples = runs.size();
+  r.alpha_pinned = x0[0] <= 0;
+  r.eta_tied = false;
+  for (const measured_run& m : runs) {
+    const auto [rows, cols] = square_shape(m.ranks);
+    r.exchange_samples += m.ranks == 2 || (m.topology == "torus2d" && (rows == 2 || cols == 2));
+  }
+  return r;
 }
 
 }  // namespace lockstep::sim

@@ -17,7 +17,9 @@
 //     its last byte left. Flows that share a NIC or the core therefore queue behind each other,
 //     and back-to-back segments pipeline: one latency per step, not per segment. A message of a
 //     step whose send peer is also its receive peer (a pairwise exchange) moves at
-//     exchange_efficiency x bandwidth (link_params; 1 by default).
+//     exchange_efficiency x bandwidth (link_params; 1 by default). With link_params::burst_bytes
+//     each NIC direction is a token bucket (tbf): bytes covered by tokens leave at once, the rest
+//     at the rate; tokens accrue at the bandwidth while the link idles (all full at the start).
 //   * ranks of one host talk over `local` links that are not shared (memory copies).
 //   * the handshake: before a lossy codec's first encode, a header from every peer a rank
 //     receives from (fp32's first step is sent beside the headers, so it waits for none).
@@ -30,6 +32,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -69,6 +72,38 @@ struct result {
 };
 
 namespace detail {
+
+// One NIC direction as a token bucket: free from `free` on, holding `tokens` bytes of credit then.
+struct shaper {
+  double free = 0;
+  double tokens = 0;
+  double credit(double t, const link_params& l) const noexcept {
+    return std::min(l.burst_bytes, tokens + std::max(0.0, t - free) * l.bandwidth_Bps);
+  }
+};
+
+// A message of `bytes` that may start at `ready` crosses every link of `path` (all of them at
+// once, first come first served): it starts when all are free, the bytes the scarcest bucket
+// covers leave at l.burst_rate_Bps (0: at once) and the rest at `rate` (the bandwidth, times eta
+// in an exchange). Returns when its last byte left; each link is busy until then and keeps the
+// credit it had left plus what accrued meanwhile.
+template <std::size_t K>
+double transmit(const std::array<shaper*, K>& path, double ready, double bytes, double rate, const link_params& l) {
+  double start = ready;
+  for (const shaper* s : path) start = std::max(start, s->free);
+  double credit = l.burst_bytes;
+  for (const shaper* s : path) credit = std::min(credit, s->credit(start, l));
+  const double covered = std::min(bytes, credit);
+  const double quick = l.burst_rate_Bps > 0 ? covered / l.burst_rate_Bps : 0.0;
+  const double end = start + quick + (bytes - covered) / rate;
+  for (shaper* s : path) {
+    // what it had, less the message, plus what accrued meanwhile (at `rate` once credit ran out)
+    const double accrued = quick * l.bandwidth_Bps + (end - start - quick) * rate;
+    s->tokens = std::clamp(s->credit(start, l) - bytes + accrued, 0.0, l.burst_bytes);
+    s->free = end;
+  }
+  return end;
+}
 
 // A stretch of `length` steps with the same peers, action, phase and span sizes whose span starts
 // move by a constant stride: step k of the run sends chunks [send_first + k*send_stride, ... +
@@ -158,6 +193,8 @@ class simulator {
     for (const link_params* l : {&cl_.nic, &cl_.local})
       if (!(l->exchange_efficiency > 0 && l->exchange_efficiency <= 1))
         throw std::invalid_argument("cluster: exchange_efficiency must be in (0, 1]");
+    if (!(cl_.nic.burst_bytes >= 0) || !(cl_.nic.burst_rate_Bps >= 0))
+      throw std::invalid_argument("cluster: burst_bytes and burst_rate_Bps must be >= 0");
   }
 
   result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
@@ -169,7 +206,8 @@ class simulator {
     finalize_ = finalize_owned;
     seg_ = segment_elems(codec_, cl_.segment_bytes);
     hosts_ = (size + cl_.ranks_per_host - 1) / cl_.ranks_per_host;
-    link_free_.assign(2 * static_cast<std::size_t>(hosts_) + 1, 0.0);
+    link_free_.assign(2 * static_cast<std::size_t>(hosts_), detail::shaper{0.0, cl_.nic.burst_bytes});
+    core_free_ = 0;
     ranks_.assign(static_cast<std::size_t>(size), {});
     heap_.clear();
     seq_ = 0;
@@ -338,7 +376,7 @@ class simulator {
     R.finalized = false;
     if (cl_.handshake && !codec_.identity && !R.sched.recv_peers.empty())
       R.t = cl_.nic.latency_s + static_cast<double>(header_bytes) / cl_.nic.bandwidth_Bps;
-    double egress = 0, ingress = 0;
+    detail::shaper egress{0.0, cl_.nic.burst_bytes}, ingress{0.0, cl_.nic.burst_bytes};
     std::vector<double> arrive;  // of this step's segments, by index
     std::uint64_t messages = 0;
     for (R.step = 0; R.step < R.sched.steps;) {
@@ -356,10 +394,9 @@ class simulator {
         if (!R.send.done() && (cl_.send_ahead || R.sent <= R.received || R.recv.done())) {
           const std::uint64_t len = R.send.next();
           if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
-          const double start = std::max({R.t, egress, ingress});
-          const double end = start + static_cast<double>(codec_.message_bytes(len)) /
-                                         cl_.nic.bandwidth_for(ru.send_peer == ru.recv_peer);
-          egress = ingress = send_end = end;
+          const double end = detail::transmit(std::array{&egress, &ingress}, R.t, static_cast<double>(codec_.message_bytes(len)),
+                                              cl_.nic.bandwidth_for(ru.send_peer == ru.recv_peer), cl_.nic);
+          send_end = end;
           arrive.push_back(end + cl_.nic.latency_s);
           ++R.sent;
           ++messages;
@@ -473,17 +510,20 @@ class simulator {
       end = start + static_cast<double>(m.bytes) / cl_.local.bandwidth_for(m.exchange);
       arrive = end + cl_.local.latency_s;
     } else {
-      const std::size_t out = 2 * static_cast<std::size_t>(src / cl_.ranks_per_host);
-      const std::size_t in = 2 * static_cast<std::size_t>(dst / cl_.ranks_per_host) + 1;
-      const std::size_t core = link_free_.size() - 1;
-      const bool shared_core = cl_.switch_bandwidth_Bps > 0;
-      start = std::max({start, link_free_[out], link_free_[in], shared_core ? link_free_[core] : 0.0});
-      double bw = cl_.nic.bandwidth_Bps;
-      if (shared_core) bw = std::min(bw, cl_.switch_bandwidth_Bps);
-      if (m.exchange) bw *= cl_.nic.exchange_efficiency;  // the connection's two-way penalty
-      end = start + static_cast<double>(m.bytes) / bw;
-      link_free_[out] = link_free_[in] = end;
-      if (shared_core) link_free_[core] = end;
+      detail::shaper& out = link_free_[2 * static_cast<std::size_t>(src / cl_.ranks_per_host)];
+      detail::shaper& in = link_free_[2 * static_cast<std::size_t>(dst / cl_.ranks_per_host) + 1];
+      const double bytes = static_cast<double>(m.bytes);
+      const double bw = cl_.nic.bandwidth_for(m.exchange);  // eta: the connection's two-way penalty
+      if (cl_.switch_bandwidth_Bps > 0) {
+        // The shared core is a plain rate (a switch has no bucket): the message starts when the
+        // core is free too and takes at least bytes / core there.
+        const double core_bw = m.exchange ? cl_.switch_bandwidth_Bps * cl_.nic.exchange_efficiency : cl_.switch_bandwidth_Bps;
+        start = std::max({start, core_free_, out.free, in.free});
+        end = std::max(detail::transmit(std::array{&out, &in}, start, bytes, bw, cl_.nic), start + bytes / core_bw);
+        out.free = in.free = core_free_ = end;
+      } else {
+        end = detail::transmit(std::array{&out, &in}, start, bytes, bw, cl_.nic);
+      }
       arrive = end + cl_.nic.latency_s;
     }
     rank_state& S = ranks_[m.src];
@@ -506,7 +546,8 @@ class simulator {
   bool finalize_ = true;
   bool last_symmetric_ = false, no_symmetry_ = false;
   int symmetry_checks_ = 16;
-  std::vector<double> link_free_;  // (host, direction) then the core
+  std::vector<detail::shaper> link_free_;  // (host, direction)
+  double core_free_ = 0;                   // the shared switch core, when there is one
   std::vector<rank_state> ranks_;
   std::vector<message> heap_;
   std::uint64_t seq_ = 0, messages_ = 0;
