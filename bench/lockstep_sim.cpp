@@ -55,7 +55,7 @@ struct options {
   std::vector<double> bytes{64.0 * 1024 * 1024};
   sim::cluster cl;
   bool json = false, measure_gamma = false, compare = false, speedup = false;
-  std::string fit_file;
+  std::string fit_file, against_file;
   double compute_s = 0.1, params = 60e6, overlap = 0;
   double min_compare_bytes = 4.0 * 1024 * 1024;
 };
@@ -83,6 +83,7 @@ void usage() {
       "  --fit FILE           fit alpha, beta and eta (exchange efficiency) to the JSON lines in\n"
       "                       FILE (bytes, time_us, ranks, topology, codec), then predict with them\n"
       "  --compare            with --fit: predicted against measured for every line of FILE\n"
+      "  --against FILE2      with --fit: compare against FILE2 instead (out of sample)\n"
       "  --min-bytes B        --compare: the error summary covers sizes >= B (default 4M)\n"
       "  --speedup            data-parallel speedup: --params P (default 60M) --compute-ms T\n"
       "                       (default 100) --overlap F (default 0) over --ranks\n"
@@ -123,6 +124,7 @@ options parse(int argc, char** argv) {
     else if (a == "--measure-gamma") o.measure_gamma = true;
     else if (a == "--fit") o.fit_file = next();
     else if (a == "--compare") o.compare = true;
+    else if (a == "--against") o.against_file = next(), o.compare = true;
     else if (a == "--min-bytes") o.min_compare_bytes = parse_size(next());
     else if (a == "--speedup") o.speedup = true;
     else if (a == "--params") o.params = parse_size(next());
@@ -240,6 +242,18 @@ int run_fit(options& o) {
                               : "no token bucket (closed-form fit)",
                 100 * f.rms_relative_error);
   if (!o.compare) return 0;
+  if (!o.against_file.empty()) {
+    // out of sample: the fitted link against another file's measurements
+    std::ifstream other(o.against_file);
+    if (!other) throw std::runtime_error("cannot open " + o.against_file);
+    lines.clear();
+    for (std::string line; std::getline(other, line);)
+      if (auto obj = sim::parse_json_line(line)) lines.push_back(*obj);
+    std::vector<std::string> more;
+    for (auto& l : lines)
+      if (l.count("codec") && !models.count(l["codec"])) more.push_back(l["codec"]);
+    for (auto& [name, c] : codec_models(o, more)) models.emplace(name, c);
+  }
   if (!o.json)
     std::printf("%-9s %-9s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
                 "sim_us", "closed_us", "err");
