@@ -79,6 +79,8 @@ void usage() {
       "  --burst-gbit G       how fast the bucket's bytes leave (default 0: at once)\n"
       "  --no-handshake       leave out the executor's header exchange\n"
       "  --send-ahead         model an executor that posts a step's sends before its receives\n"
+      "  --ahead N|executor   sends lead receives by N segments (default 0, the closed forms'\n"
+      "                       model); executor: as lockstep's does (fp32 all, lossy codecs 4)\n"
       "  --measure-gamma      measure codec encode/decode rates on this machine (else gamma = 0)\n"
       "  --fit FILE           fit alpha, beta and eta (exchange efficiency) to the JSON lines in\n"
       "                       FILE (bytes, time_us, ranks, topology, codec), then predict with them\n"
@@ -121,6 +123,11 @@ options parse(int argc, char** argv) {
     else if (a == "--burst-gbit") o.cl.nic.burst_rate_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--no-handshake") o.cl.handshake = false;
     else if (a == "--send-ahead") o.cl.send_ahead = true;
+    else if (a == "--ahead") {
+      const std::string v = next();
+      o.cl.segments_ahead = v == "executor" ? sim::cluster::as_executor : std::stoi(v);
+      if (o.cl.segments_ahead < sim::cluster::as_executor) throw std::invalid_argument("--ahead: a count >= 0 or 'executor'");
+    }
     else if (a == "--measure-gamma") o.measure_gamma = true;
     else if (a == "--fit") o.fit_file = next();
     else if (a == "--compare") o.compare = true;
@@ -210,8 +217,9 @@ int run_fit(options& o) {
   double max_burst = 0;
   for (auto& l : lines)
     if (l.count("time_us")) max_burst = std::max(max_burst, burst_of(l));
-  if (max_burst > 0) {
-    // no closed form for a bucket: refine the linear fit on the simulator's own predictions
+  if (max_burst > 0 || o.cl.segments_ahead != 0) {
+    // no closed form for a bucket or a send window: refine the linear fit on the simulator's own
+    // predictions
     std::vector<sim::measured_run> runs;
     for (auto& l : lines)
       if (auto r = sim::run_of(l, models, burst_of(l))) runs.push_back(*r);

@@ -449,3 +449,38 @@ TEST_CASE("a negative bucket is refused", "[sim][bucket]") {
   cl.nic.burst_bytes = -1;
   REQUIRE_THROWS_WITH(sim::simulator(cl, sim::codec_by_name("fp32")), Catch::Contains("burst_bytes"));
 }
+
+TEST_CASE("sends running ahead by a window: shortcut = event run, an endless window = send-ahead", "[sim][ahead]") {
+  const bool torus = GENERATE(false, true);
+  const int size = GENERATE(4, 12);
+  const int ahead = GENERATE(1, 2, sim::cluster::as_executor);
+  sim::cluster cl = gigabit();
+  cl.segments_ahead = ahead;
+  cl.nic.burst_bytes = 64 * 1024;
+  sim::codec_model c = sim::codec_by_name(GENERATE(as<std::string>{}, "fp32", "dyntree8"));
+  c.rates = some_gamma();
+  const std::size_t n = static_cast<std::size_t>(size) * 98304;  // several segments per step
+  sim::simulator s(cl, c);
+  s.set_symmetry_checks(0);
+  auto fast = torus ? s.all_reduce(topology::torus2d{}, size, n) : s.all_reduce(topology::ring{}, size, n);
+  REQUIRE(s.last_was_symmetric());
+  CAPTURE(torus, size, ahead, c.name);
+  REQUIRE(fast.time_s == Approx(full_run(cl, c, size, n, torus)).epsilon(1e-12));
+  // the lockstep executor sends every fp32 segment of a step at once: that is send-ahead
+  if (ahead == sim::cluster::as_executor && c.identity) {
+    sim::cluster all = cl;
+    all.segments_ahead = 0;
+    all.send_ahead = true;
+    REQUIRE(fast.time_s == full_run(all, c, size, n, torus));
+  }
+  // a window never slows a contention-free run down, and more of it never does either
+  sim::cluster none = cl;
+  none.segments_ahead = 0;
+  REQUIRE(fast.time_s <= full_run(none, c, size, n, torus) * (1 + 1e-12));
+}
+
+TEST_CASE("a negative window other than as_executor is refused", "[sim][ahead]") {
+  sim::cluster cl = gigabit();
+  cl.segments_ahead = -2;
+  REQUIRE_THROWS_WITH(sim::simulator(cl, sim::codec_by_name("fp32")), Catch::Contains("segments_ahead"));
+}

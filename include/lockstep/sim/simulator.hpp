@@ -56,10 +56,15 @@ struct cluster {
   double switch_bandwidth_Bps = 0;               // 0: non-blocking; else one core all hosts share
   std::size_t segment_bytes = std::size_t{1} << 20;  // the transport's (inproc: 1 MiB)
   bool handshake = true;
-  // false: the executor as it is — send segment j+1 is posted after receive segment j arrived, so
-  // each segment pays the latency. true: a variant that posts all of a step's sends first, so a
-  // step pays it once (the papers' 2(N-1) alpha); what the torus needs to beat the ring.
+  // false: send segment j+1 is posted after receive segment j arrived, so each segment pays the
+  // latency (the closed forms' model). true: all of a step's sends are posted first, so a step
+  // pays it once (the papers' 2(N-1) alpha); what the torus needs to beat the ring.
   bool send_ahead = false;
+  // Between the two (when send_ahead is false): sends may run this many segments ahead of
+  // receives. as_executor: what collective/executor.hpp does, every send of a step at once for
+  // fp32 and 4 segments ahead for a lossy codec, which encodes each before it sends it.
+  static constexpr int as_executor = -1;
+  int segments_ahead = 0;
 };
 
 struct result {
@@ -188,6 +193,11 @@ struct segment_cursor {
 class simulator {
  public:
   simulator(const cluster& cl, const codec_model& codec) : cl_(cl), codec_(codec) {
+    if (cl_.segments_ahead < cluster::as_executor) throw std::invalid_argument("cluster: segments_ahead must be >= 0 or as_executor");
+    constexpr std::int64_t all = std::numeric_limits<std::int64_t>::max();
+    ahead_ = cl_.send_ahead ? all
+             : cl_.segments_ahead == cluster::as_executor ? (codec_.identity ? all : 4)
+                                                          : cl_.segments_ahead;
     if (cl_.ranks_per_host < 1) throw std::invalid_argument("cluster: ranks_per_host must be >= 1");
     if (cl_.nic.bandwidth_Bps <= 0 || cl_.local.bandwidth_Bps <= 0) throw std::invalid_argument("cluster: bandwidths must be > 0");
     for (const link_params* l : {&cl_.nic, &cl_.local})
@@ -391,7 +401,7 @@ class simulator {
       double send_end = 0;
       arrive.clear();
       while (!R.send.done() || !R.recv.done()) {
-        if (!R.send.done() && (cl_.send_ahead || R.sent <= R.received || R.recv.done())) {
+        if (!R.send.done() && (lead(R) <= ahead_ || R.recv.done())) {
           const std::uint64_t len = R.send.next();
           if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
           const double end = detail::transmit(std::array{&egress, &ingress}, R.t, static_cast<double>(codec_.message_bytes(len)),
@@ -401,7 +411,7 @@ class simulator {
           ++R.sent;
           ++messages;
         }
-        if (!R.recv.done() && ((!cl_.send_ahead && R.sent > R.received) || R.send.done())) {
+        if (!R.recv.done() && (lead(R) > ahead_ || R.send.done())) {
           if (R.received >= arrive.size()) return std::nullopt;  // receives ahead of sends: no mirror
           consume(R, arrive[R.received]);
         }
@@ -476,8 +486,8 @@ class simulator {
       }
       // Round j: send segment j, then receive segment j (the executor's order).
       while (!R.send.done() || !R.recv.done()) {
-        if (!R.send.done() && (cl_.send_ahead || R.sent <= R.received || R.recv.done())) post(R, static_cast<std::uint32_t>(r), R.send.next());
-        if (!R.recv.done() && ((!cl_.send_ahead && R.sent > R.received) || R.send.done())) {
+        if (!R.send.done() && (lead(R) <= ahead_ || R.recv.done())) post(R, static_cast<std::uint32_t>(r), R.send.next());
+        if (!R.recv.done() && (lead(R) > ahead_ || R.send.done())) {
           auto it = std::find_if(R.early.begin(), R.early.end(), [&](const arrival& a) {
             return a.src == static_cast<std::uint32_t>(R.recv_peer) && a.step == R.step && a.index == R.received;
           });
@@ -544,6 +554,9 @@ class simulator {
   std::size_t n_ = 0;
   std::uint64_t seg_ = 1;
   bool finalize_ = true;
+  std::int64_t ahead_ = 0;  // sends may lead receives by this many segments
+  // How many segments of the current step a rank has sent and not yet received the mirror of.
+  static std::int64_t lead(const rank_state& R) noexcept { return std::int64_t{R.sent} - std::int64_t{R.received}; }
   bool last_symmetric_ = false, no_symmetry_ = false;
   int symmetry_checks_ = 16;
   std::vector<detail::shaper> link_free_;  // (host, direction)
