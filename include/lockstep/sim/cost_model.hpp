@@ -49,9 +49,9 @@ namespace lockstep::sim {
 // bytes leave at once. A sender that computes between messages (a lossy codec's encode and decode)
 // banks its idle time as later bandwidth. 0 (the default) is a plain rate. Credited bytes leave at
 // burst_rate_Bps (tbf without a peak rate: as fast as the path beneath it, for netlab the unshaped
-// TCP path; 0 = at once). netlab's links have a 256 KiB bucket at 1 Gbit/s, and the bucket's depth
-// moves an int8 all-reduce by up to 40% (docs/scaling.md). Only the simulator models it; the closed
-// forms leave it out.
+// TCP path; 0 = at once; else above the bandwidth). netlab's links have a 256 KiB bucket at
+// 1 Gbit/s, and going from 128 KiB to 1 MiB cuts an int8 all-reduce's time by up to 46%
+// (docs/scaling.md). Only the simulator models it; the closed forms leave it out.
 struct link_params {
   double latency_s = 25e-6;         // alpha
   double bandwidth_Bps = 125e6;     // 1 / beta; 125e6 = 1 Gbit/s

@@ -305,19 +305,15 @@ inline std::optional<measured_run> run_of(const json_object& o, const std::map<s
 }
 
 namespace detail {
-// Nelder-Mead over (alpha in us, bandwidth in Gbit/s, eta, burst rate in Gbit/s) from x0, first
-// steps 50 us (or half of alpha), 10% of the bandwidth, 0.1 of eta, half the burst rate; returns
-// the best point and fn there.
+// Nelder-Mead from x0 with first steps `step`; the best point and fn there.
 template <class F>
-std::pair<std::array<double, 4>, double> nelder_mead(const std::array<double, 4>& x0, F&& fn) {
+std::pair<std::array<double, 4>, double> nelder_mead(const std::array<double, 4>& x0, const std::array<double, 4>& step,
+                                                     F&& fn) {
   constexpr std::size_t dims = 4;
   using point = std::array<double, dims>;
   std::array<point, dims + 1> simplex;
   simplex.fill(x0);
-  simplex[1][0] += std::max(50.0, 0.5 * x0[0]);
-  simplex[2][1] *= 1.1;
-  simplex[3][2] = x0[2] > 0.5 ? x0[2] - 0.1 : x0[2] + 0.1;
-  simplex[4][3] *= 1.5;
+  for (std::size_t d = 0; d < dims; ++d) simplex[d + 1][d] += step[d];
   std::array<double, dims + 1> f{};
   for (std::size_t i = 0; i <= dims; ++i) f[i] = fn(simplex[i]);
   for (int it = 0; it < 600; ++it) {
@@ -330,9 +326,9 @@ std::pair<std::array<double, 4>, double> nelder_mead(const std::array<double, 4>
     for (std::size_t k = 0; k < dims; ++k)
       for (std::size_t d = 0; d < dims; ++d) c[d] += simplex[idx[k]][d] / dims;
     auto along = [&](double t) {
-      point p;
-      for (std::size_t d = 0; d < dims; ++d) p[d] = c[d] + t * (simplex[worst][d] - c[d]);
-      return p;
+      point q;
+      for (std::size_t d = 0; d < dims; ++d) q[d] = c[d] + t * (simplex[worst][d] - c[d]);
+      return q;
     };
     const point r = along(-1.0);
     const double fr = fn(r);
@@ -349,8 +345,8 @@ std::pair<std::array<double, 4>, double> nelder_mead(const std::array<double, 4>
       if (fk < f[worst]) {
         simplex[worst] = k, f[worst] = fk;
       } else {
-        for (std::size_t k = 1; k <= dims; ++k) {
-          const std::size_t i = idx[k];
+        for (std::size_t j = 1; j <= dims; ++j) {
+          const std::size_t i = idx[j];
           for (std::size_t d = 0; d < dims; ++d) simplex[i][d] = simplex[best][d] + 0.5 * (simplex[i][d] - simplex[best][d]);
           f[i] = fn(simplex[i]);
         }
@@ -362,22 +358,37 @@ std::pair<std::array<double, 4>, double> nelder_mead(const std::array<double, 4>
 }
 }  // namespace detail
 
-// (alpha, beta, eta, burst rate) that minimise the rms relative error of simulate() over `runs`,
-// from `start`, by Nelder-Mead on (alpha in us, bandwidth in Gbit/s, eta, burst rate in Gbit/s);
-// alpha is kept >= 0, eta in [0.05, 1], the burst rate at or above the bandwidth. The buckets'
-// depths (cl.nic.burst_bytes or each run's) and everything else of cl stay as given.
-// With fit_burst_rate false the burst rate stays start.burst_rate_Bps (a measured figure).
+// (alpha, beta, eta, burst rate) that minimise the rms relative error of simulate() over `runs`.
+// The search runs in coordinates where every value is allowed (alpha = a^2 us, bandwidth = e^w
+// Gbit/s, eta = 0.05 + 0.95 / (1 + e^-y), burst rate = bandwidth (1 + e^z)), so no clamp leaves a
+// flat region to stall in; and since alpha and the burst rate trade against each other, Nelder-
+// Mead starts from 9 points (alpha 0.1, 0.5, 2 ms x burst rate 1.5, 4, 16 x bandwidth, bandwidth
+// and eta from `start`), restarts each from its best until that gains nothing, and keeps the best
+// of all. eta is held at 1 (eta_tied) when no run has a pairwise exchange; with fit_burst_rate
+// false the burst rate stays start.burst_rate_Bps (a measured figure, or 0: at once). The buckets'
+// depths (cl.nic.burst_bytes or each run's) and everything else of cl stay as given. Runs with a
+// time <= 0 or fewer than one rank are refused.
 inline fit_result fit_by_simulation(const std::vector<measured_run>& runs, cluster cl, const link_params& start,
                                     bool fit_burst_rate = true) {
   if (runs.size() < 2) throw std::invalid_argument("fit: need at least two measurements, got " + std::to_string(runs.size()));
-  constexpr std::size_t dims = 4;
-  using point = std::array<double, dims>;
+  std::size_t exchanges = 0;
+  for (const measured_run& m : runs) {
+    if (!(m.seconds > 0) || m.ranks < 1)
+      throw std::invalid_argument("fit: a " + m.topology + " " + m.codec.name + " measurement with " +
+                                  std::to_string(m.ranks) + " ranks and " + std::to_string(m.seconds) + " s");
+    const auto [rows, cols] = square_shape(m.ranks);
+    exchanges += m.ranks == 2 || (m.topology == "torus2d" && (rows == 2 || cols == 2));
+  }
+  const bool tie_eta = exchanges == 0;
+  using point = std::array<double, 4>;
   auto link_of = [&](const point& x) {
     link_params l = cl.nic;
-    l.latency_s = std::max(0.0, x[0]) * 1e-6;
-    l.bandwidth_Bps = std::max(1e-3, x[1]) * 1e9 / 8;
-    l.exchange_efficiency = std::clamp(x[2], 0.05, 1.0);
-    l.burst_rate_Bps = fit_burst_rate ? std::max(x[3], std::max(1e-3, x[1])) * 1e9 / 8 : start.burst_rate_Bps;
+    l.latency_s = x[0] * x[0] * 1e-6;
+    l.bandwidth_Bps = std::exp(x[1]) * 1e9 / 8;
+    l.exchange_efficiency = tie_eta ? 1.0 : 0.05 + 0.95 / (1 + std::exp(-x[2]));
+    l.burst_rate_Bps = fit_burst_rate ? l.bandwidth_Bps * (1 + std::exp(x[3])) : start.burst_rate_Bps;
+    if (!fit_burst_rate && l.burst_rate_Bps > 0 && l.burst_rate_Bps <= l.bandwidth_Bps)
+      l.burst_rate_Bps = std::nextafter(l.bandwidth_Bps, HUGE_VAL);  // the simulator wants it above
     return l;
   };
   auto error = [&](const point& x) {
@@ -389,28 +400,30 @@ inline fit_result fit_by_simulation(const std::vector<measured_run>& runs, clust
     }
     return std::sqrt(se / static_cast<double>(runs.size()));
   };
-  const double bw0 = start.bandwidth_Bps * 8 / 1e9;
-  point x0{start.latency_s * 1e6, bw0, start.exchange_efficiency,
-           start.burst_rate_Bps > 0 ? start.burst_rate_Bps * 8 / 1e9 : 4 * bw0};
-  // Nelder-Mead stalls on this surface (alpha and the burst rate trade against each other), so it
-  // restarts from its best point with a fresh simplex until a restart gains nothing.
-  double fx0 = error(x0);
-  for (int restart = 0; restart < 8; ++restart) {
-    const auto [x, fx] = detail::nelder_mead(x0, error);
-    const bool gained = fx < fx0 - 1e-6;
-    if (fx < fx0) x0 = x, fx0 = fx;
-    if (!gained) break;
-  }
+  const double eta0 = std::clamp(start.exchange_efficiency, 0.06, 0.99);
+  const point step{3.0, 0.1, 0.5, 1.0};
+  point best{};
+  double fbest = HUGE_VAL;
+  for (double alpha_us : {100.0, 500.0, 2000.0})
+    for (double ratio : {1.5, 4.0, 16.0}) {
+      point x{std::sqrt(alpha_us), std::log(start.bandwidth_Bps * 8 / 1e9), -std::log(0.95 / (eta0 - 0.05) - 1),
+              std::log(ratio - 1)};
+      double fx = error(x);
+      for (int restart = 0; restart < 8; ++restart) {
+        const auto [y, fy] = detail::nelder_mead(x, step, error);
+        const bool gained = fy < fx - 1e-6;
+        if (fy < fx) x = y, fx = fy;
+        if (!gained) break;
+      }
+      if (fx < fbest) best = x, fbest = fx;
+    }
   fit_result r;
-  r.link = link_of(x0);
-  r.rms_relative_error = fx0;
+  r.link = link_of(best);
+  r.rms_relative_error = fbest;
   r.samples = runs.size();
-  r.alpha_pinned = x0[0] <= 0;
-  r.eta_tied = false;
-  for (const measured_run& m : runs) {
-    const auto [rows, cols] = square_shape(m.ranks);
-    r.exchange_samples += m.ranks == 2 || (m.topology == "torus2d" && (rows == 2 || cols == 2));
-  }
+  r.exchange_samples = exchanges;
+  r.alpha_pinned = false;
+  r.eta_tied = tie_eta;
   return r;
 }
 

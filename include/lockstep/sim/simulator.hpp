@@ -88,23 +88,24 @@ struct shaper {
 };
 
 // A message of `bytes` that may start at `ready` crosses every link of `path` (all of them at
-// once, first come first served): it starts when all are free, the bytes the scarcest bucket
-// covers leave at l.burst_rate_Bps (0: at once) and the rest at `rate` (the bandwidth, times eta
-// in an exchange). Returns when its last byte left; each link is busy until then and keeps the
-// credit it had left plus what accrued meanwhile.
+// once, first come first served): it starts when all are free; then, as tc's tbf, it leaves at the
+// burst rate P (l.burst_rate_Bps; 0: at once) while the scarcest bucket has credit (which drains
+// at P - r, refilled at the bandwidth r meanwhile, so C P / (P - r) bytes go out that way) and at
+// `rate` after that (the bandwidth, times eta in an exchange: the reverse flow's ACKs take the
+// rest, so the bucket gains nothing then). Returns when its last byte left; each link is busy
+// until then and keeps the credit it had less what the burst used.
 template <std::size_t K>
 double transmit(const std::array<shaper*, K>& path, double ready, double bytes, double rate, const link_params& l) {
   double start = ready;
   for (const shaper* s : path) start = std::max(start, s->free);
   double credit = l.burst_bytes;
   for (const shaper* s : path) credit = std::min(credit, s->credit(start, l));
-  const double covered = std::min(bytes, credit);
-  const double quick = l.burst_rate_Bps > 0 ? covered / l.burst_rate_Bps : 0.0;
-  const double end = start + quick + (bytes - covered) / rate;
+  const double p = l.burst_rate_Bps, r = l.bandwidth_Bps;  // p > r or p == 0 (simulator checks)
+  const double covered = std::min(bytes, p > 0 ? credit * p / (p - r) : credit);
+  const double end = start + (p > 0 ? covered / p : 0.0) + (bytes - covered) / rate;
+  const double spent = p > 0 ? covered * (1 - r / p) : covered;  // credit the burst used up
   for (shaper* s : path) {
-    // what it had, less the message, plus what accrued meanwhile (at `rate` once credit ran out)
-    const double accrued = quick * l.bandwidth_Bps + (end - start - quick) * rate;
-    s->tokens = std::clamp(s->credit(start, l) - bytes + accrued, 0.0, l.burst_bytes);
+    s->tokens = std::clamp(s->credit(start, l) - spent, 0.0, l.burst_bytes);
     s->free = end;
   }
   return end;
@@ -203,8 +204,13 @@ class simulator {
     for (const link_params* l : {&cl_.nic, &cl_.local})
       if (!(l->exchange_efficiency > 0 && l->exchange_efficiency <= 1))
         throw std::invalid_argument("cluster: exchange_efficiency must be in (0, 1]");
-    if (!(cl_.nic.burst_bytes >= 0) || !(cl_.nic.burst_rate_Bps >= 0))
-      throw std::invalid_argument("cluster: burst_bytes and burst_rate_Bps must be >= 0");
+    if (!(cl_.nic.burst_bytes >= 0)) throw std::invalid_argument("cluster: burst_bytes must be >= 0");
+    if (!(cl_.nic.burst_rate_Bps == 0 || cl_.nic.burst_rate_Bps > cl_.nic.bandwidth_Bps))
+      throw std::invalid_argument("cluster: burst_rate_Bps must be 0 (at once) or above the bandwidth (" +
+                                  std::to_string(cl_.nic.bandwidth_Bps) + " B/s), not " + std::to_string(cl_.nic.burst_rate_Bps));
+    if (cl_.nic.burst_bytes > 0 && cl_.switch_bandwidth_Bps > 0)
+      throw std::invalid_argument("cluster: token buckets (burst_bytes) are modelled on a non-blocking switch only, "
+                                  "not behind a shared core (switch_bandwidth_Bps)");
   }
 
   result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
@@ -525,12 +531,12 @@ class simulator {
       const double bytes = static_cast<double>(m.bytes);
       const double bw = cl_.nic.bandwidth_for(m.exchange);  // eta: the connection's two-way penalty
       if (cl_.switch_bandwidth_Bps > 0) {
-        // The shared core is a plain rate (a switch has no bucket): the message starts when the
-        // core is free too and takes at least bytes / core there.
+        // The shared core (no buckets here: the constructor refuses them with a core): the
+        // message starts when the core is free too and moves at the slower of the two rates.
         const double core_bw = m.exchange ? cl_.switch_bandwidth_Bps * cl_.nic.exchange_efficiency : cl_.switch_bandwidth_Bps;
-        start = std::max({start, core_free_, out.free, in.free});
-        end = std::max(detail::transmit(std::array{&out, &in}, start, bytes, bw, cl_.nic), start + bytes / core_bw);
-        out.free = in.free = core_free_ = end;
+        start = std::max(start, core_free_);
+        end = detail::transmit(std::array{&out, &in}, start, bytes, std::min(bw, core_bw), cl_.nic);
+        core_free_ = end;
       } else {
         end = detail::transmit(std::array{&out, &in}, start, bytes, bw, cl_.nic);
       }
