@@ -8,9 +8,11 @@
 // 4n / t(decode_add), roundtrip_gbs = 4n / (t(encode) + t(decode_add)); memcpy_gbs = 4n / t(memcpy
 // of 4n bytes). Each timing is the median of --iters rounds over a rotation of buffers that together
 // exceed the last-level cache, so that a large size measures memory, not cache. A round times
-// encode, decode-add and memcpy one after the other, so that the three see the same moment of a
-// shared machine; roundtrip_vs_memcpy is the median over rounds of that round's ratio (the
-// figure issue targets are read from), not a ratio of medians taken at different moments. Errors are the mean
+// encode, decode-add and memcpy one after the other (each on buffers the others have not just
+// touched, in an order that turns with the round), so that the three see the same moment of a
+// shared machine; roundtrip_vs_memcpy (the table's rt/cpy) is the median over rounds of that
+// round's ratio (the figure issue targets are read from), not a ratio of medians taken at
+// different moments. Errors are the mean
 // and max of |decode(encode(x)) - x| / |x| over x ~ N(0, 1) (and, in the table, Student-t with 2
 // degrees of freedom for heavy tails).
 #include <lockstep/codec.hpp>
@@ -101,7 +103,8 @@ void run(const char* name, const C& c, const options& o, const std::vector<float
   const errors eg = measure_error(c, gauss), eh = measure_error(c, heavy);
   for (std::size_t bytes : o.sizes) {
     const std::size_t n = std::max<std::size_t>(1, bytes / sizeof(float));
-    // Enough buffers that one pass over all of them is >= 256 MiB: no size is served from cache.
+    // Enough buffers that one pass over all of them is >= 256 MiB, at most 64: from 4 MiB up no
+    // size is served from cache; below that (64 buffers of 1 MiB are 64 MiB) partly.
     const std::size_t nbuf = std::max<std::size_t>(2, (std::size_t{256} << 20) / (n * sizeof(float)) + 1);
     const std::size_t rot = std::min<std::size_t>(nbuf, 64);
     std::vector<std::vector<float>> in(rot, std::vector<float>(n)), acc(rot, std::vector<float>(n, 0.0f));
@@ -110,15 +113,36 @@ void run(const char* name, const C& c, const options& o, const std::vector<float
     for (std::size_t b = 0; b < rot; ++b)
       for (std::size_t i = 0; i < n; ++i) in[b][i] = gauss[(i + b * 7919) % gauss.size()];
     const std::size_t reps = std::max<std::size_t>(1, (std::size_t{64} << 20) / (n * sizeof(float)));
-    // Each round: reps encodes, reps decode-adds, reps memcpys, each over the next buffers.
+    // Each round: reps encodes, reps decode-adds, reps memcpys, in an order that turns with the
+    // round. Each works on its own stretch of the rotation (decode-add a third of it ahead of
+    // encode, memcpy two thirds), so none reads what another has just left in cache: decode-add
+    // reads wire bytes encoded rounds earlier (all encoded once before timing starts).
+    for (std::size_t b = 0; b < rot; ++b) c.encode(in[b].data(), n, wire[b].data());
     std::vector<double> t_enc, t_dec, t_cpy, ratio;
     for (int it = 0; it < o.iters; ++it) {
-      auto buffer = [&](std::size_t r) { return (static_cast<std::size_t>(it) * reps + r) % rot; };
-      const double e = seconds([&] { for (std::size_t r = 0; r < reps; ++r) c.encode(in[buffer(r)].data(), n, wire[buffer(r)].data()); });
-      const double d = seconds([&] { for (std::size_t r = 0; r < reps; ++r) c.decode_add(wire[buffer(r)].data(), n, acc[buffer(r)].data()); });
-      const double m = seconds([&] {
-        for (std::size_t r = 0; r < reps; ++r) std::memcpy(dst[buffer(r)].data(), in[buffer(r)].data(), n * sizeof(float));
-      });
+      auto buffer = [&](std::size_t r, std::size_t ahead) { return (static_cast<std::size_t>(it) * reps + r + ahead) % rot; };
+      double e = 0, d = 0, m = 0;
+      auto run_encode = [&] {
+        e = seconds([&] { for (std::size_t r = 0; r < reps; ++r) c.encode(in[buffer(r, 0)].data(), n, wire[buffer(r, 0)].data()); });
+      };
+      auto run_decode = [&] {
+        d = seconds([&] {
+          for (std::size_t r = 0; r < reps; ++r) c.decode_add(wire[buffer(r, rot / 3)].data(), n, acc[buffer(r, rot / 3)].data());
+        });
+      };
+      auto run_memcpy = [&] {
+        m = seconds([&] {
+          for (std::size_t r = 0; r < reps; ++r) {
+            const std::size_t b = buffer(r, 2 * rot / 3);
+            std::memcpy(dst[b].data(), in[b].data(), n * sizeof(float));
+          }
+        });
+      };
+      switch (it % 3) {
+        case 0: run_encode(), run_decode(), run_memcpy(); break;
+        case 1: run_decode(), run_memcpy(), run_encode(); break;
+        default: run_memcpy(), run_encode(), run_decode(); break;
+      }
       t_enc.push_back(e / static_cast<double>(reps));
       t_dec.push_back(d / static_cast<double>(reps));
       t_cpy.push_back(m / static_cast<double>(reps));
