@@ -7,6 +7,7 @@
 // A table by default, one JSON object per line with --json. Every number the simulator prints is
 // the discrete-event run of the topologies' own schedules (sim/simulator.hpp); "closed" is the
 // alpha-beta-gamma formula (sim/cost_model.hpp) beside it.
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -40,11 +41,12 @@ std::vector<std::string> split(const std::string& s) {
 double parse_size(const std::string& s) {
   std::size_t used = 0;
   const double v = std::stod(s, &used);
-  const std::string unit = s.substr(used);
+  std::string unit = s.substr(used);
+  for (char& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));  // tc ignores case
   if (unit.empty() || unit == "b") return v;
-  if (unit == "K" || unit == "k" || unit == "kb") return v * 1024;
-  if (unit == "M" || unit == "m" || unit == "mb") return v * 1024 * 1024;
-  if (unit == "G" || unit == "g" || unit == "gb") return v * 1024 * 1024 * 1024;
+  if (unit == "k" || unit == "kb") return v * 1024;
+  if (unit == "m" || unit == "mb") return v * 1024 * 1024;
+  if (unit == "g" || unit == "gb") return v * 1024 * 1024 * 1024;
   throw std::invalid_argument("size '" + s + "': units are K, M, G (powers of 1024; tc's kb, mb, gb alike)");
 }
 
