@@ -8,8 +8,8 @@
 // 4n / t(decode_add), roundtrip_gbs = 4n / (t(encode) + t(decode_add)); memcpy_gbs = 4n / t(memcpy
 // of 4n bytes). Each timing is the median of --iters rounds over a rotation of buffers that together
 // exceed the last-level cache, so that a large size measures memory, not cache. A round times
-// encode, decode-add and memcpy one after the other (each on buffers the others have not just
-// touched, in an order that turns with the round), so that the three see the same moment of a
+// encode, decode-add and memcpy one after the other (each from its own place in the rotation, in
+// an order that turns with the round), so that the three see the same moment of a
 // shared machine; roundtrip_vs_memcpy (the table's rt/cpy) is the median over rounds of that
 // round's ratio (the figure issue targets are read from), not a ratio of medians taken at
 // different moments. Errors are the mean
@@ -114,9 +114,12 @@ void run(const char* name, const C& c, const options& o, const std::vector<float
       for (std::size_t i = 0; i < n; ++i) in[b][i] = gauss[(i + b * 7919) % gauss.size()];
     const std::size_t reps = std::max<std::size_t>(1, (std::size_t{64} << 20) / (n * sizeof(float)));
     // Each round: reps encodes, reps decode-adds, reps memcpys, in an order that turns with the
-    // round. Each works on its own stretch of the rotation (decode-add a third of it ahead of
-    // encode, memcpy two thirds), so none reads what another has just left in cache: decode-add
-    // reads wire bytes encoded rounds earlier (all encoded once before timing starts).
+    // round, each starting at its own place in the rotation (decode-add half of it ahead of
+    // encode, memcpy two thirds): at 64 MiB (5 buffers, one per round) none touches what another
+    // has just left in cache, and decode-add reads wire bytes encoded rounds earlier (all are
+    // encoded once before timing starts). Below 4 MiB every op sweeps the whole rotation each
+    // round, so what one op wrote is read tens of MiB later by the next: past the 32 MiB L3 from
+    // 1 MiB up, partly in cache below that.
     for (std::size_t b = 0; b < rot; ++b) c.encode(in[b].data(), n, wire[b].data());
     std::vector<double> t_enc, t_dec, t_cpy, ratio;
     for (int it = 0; it < o.iters; ++it) {
@@ -127,7 +130,7 @@ void run(const char* name, const C& c, const options& o, const std::vector<float
       };
       auto run_decode = [&] {
         d = seconds([&] {
-          for (std::size_t r = 0; r < reps; ++r) c.decode_add(wire[buffer(r, rot / 3)].data(), n, acc[buffer(r, rot / 3)].data());
+          for (std::size_t r = 0; r < reps; ++r) c.decode_add(wire[buffer(r, rot / 2)].data(), n, acc[buffer(r, rot / 2)].data());
         });
       };
       auto run_memcpy = [&] {

@@ -353,9 +353,11 @@ TEST_CASE("a token bucket lets its credit through at once and the rest at the ra
   // right after: 150 kB of credit, the other 250 kB at 1 MB/s
   REQUIRE(sim::detail::transmit(path, 1.0, 400e3, l.bandwidth_Bps, l) == Approx(1.25));
   REQUIRE(out.tokens == Approx(0.0).margin(1e-6));
-  // 0.1 s idle refills 100 kB; the scarcer of two buckets decides
+  // 0.1 s idle refills 100 kB; the scarcer of two buckets decides, and each keeps its own rest
   in.tokens = 20e3, in.free = 1.25;
   REQUIRE(sim::detail::transmit(path, 1.35, 200e3, l.bandwidth_Bps, l) == Approx(1.35 + (200e3 - 100e3) / 1e6));
+  REQUIRE(out.tokens == Approx(0.0).margin(1e-6));  // had 100 kB at 1.35 s, spent them all
+  REQUIRE(in.tokens == Approx(20e3));               // had 120 kB (20 + 100 refilled), spent 100
   // never more than the depth, however long the link idled
   REQUIRE(out.credit(100.0, l) == l.burst_bytes);
   // with a burst rate P the credit C drains at P - r while the rate r refills it: tbf sends

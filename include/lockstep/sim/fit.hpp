@@ -365,7 +365,8 @@ std::pair<std::array<double, 4>, double> nelder_mead(const std::array<double, 4>
 // Mead starts from 9 points (alpha 0.1, 0.5, 2 ms x burst rate 1.5, 4, 16 x bandwidth, bandwidth
 // and eta from `start`), restarts each from its best until that gains nothing, and keeps the best
 // of all. eta is held at 1 (eta_tied) when no run has a pairwise exchange; with fit_burst_rate
-// false the burst rate stays start.burst_rate_Bps (a measured figure, or 0: at once). The buckets'
+// false the burst rate stays start.burst_rate_Bps (a measured figure, or 0: at once; raised just
+// above the bandwidth where the fit puts the bandwidth at or above it). The buckets''
 // depths (cl.nic.burst_bytes or each run's) and everything else of cl stay as given. Runs with a
 // time <= 0 or fewer than one rank are refused.
 inline fit_result fit_by_simulation(const std::vector<measured_run>& runs, cluster cl, const link_params& start,
@@ -386,7 +387,9 @@ inline fit_result fit_by_simulation(const std::vector<measured_run>& runs, clust
     l.latency_s = x[0] * x[0] * 1e-6;
     l.bandwidth_Bps = std::exp(x[1]) * 1e9 / 8;
     l.exchange_efficiency = tie_eta ? 1.0 : 0.05 + 0.95 / (1 + std::exp(-x[2]));
-    l.burst_rate_Bps = fit_burst_rate ? l.bandwidth_Bps * (1 + std::exp(x[3])) : start.burst_rate_Bps;
+    // z kept within +-30: 1 + e^z stays above 1 (the simulator wants a burst rate above the
+    // bandwidth) and finite (e^30 ~ 1e13: "at once" for any link)
+    l.burst_rate_Bps = fit_burst_rate ? l.bandwidth_Bps * (1 + std::exp(std::clamp(x[3], -30.0, 30.0))) : start.burst_rate_Bps;
     if (!fit_burst_rate && l.burst_rate_Bps > 0 && l.burst_rate_Bps <= l.bandwidth_Bps)
       l.burst_rate_Bps = std::nextafter(l.bandwidth_Bps, HUGE_VAL);  // the simulator wants it above
     return l;
@@ -394,18 +397,24 @@ inline fit_result fit_by_simulation(const std::vector<measured_run>& runs, clust
   auto error = [&](const point& x) {
     cl.nic = link_of(x);
     double se = 0;
-    for (const measured_run& m : runs) {
-      const double e = (simulate(m, cl) - m.seconds) / m.seconds;
-      se += e * e;
+    try {
+      for (const measured_run& m : runs) {
+        const double e = (simulate(m, cl) - m.seconds) / m.seconds;
+        se += e * e;
+      }
+    } catch (const std::invalid_argument&) {
+      return HUGE_VAL;  // a point the simulator refuses is no fit
     }
     return std::sqrt(se / static_cast<double>(runs.size()));
   };
+  if (!(start.bandwidth_Bps > 0)) throw std::invalid_argument("fit: the start needs a bandwidth > 0");
   const double eta0 = std::clamp(start.exchange_efficiency, 0.06, 0.99);
   const point step{3.0, 0.1, 0.5, 1.0};
   point best{};
   double fbest = HUGE_VAL;
   for (double alpha_us : {100.0, 500.0, 2000.0})
     for (double ratio : {1.5, 4.0, 16.0}) {
+      if (!fit_burst_rate && ratio != 4.0) continue;  // the rate is given: one start per alpha
       point x{std::sqrt(alpha_us), std::log(start.bandwidth_Bps * 8 / 1e9), -std::log(0.95 / (eta0 - 0.05) - 1),
               std::log(ratio - 1)};
       double fx = error(x);
@@ -422,7 +431,7 @@ inline fit_result fit_by_simulation(const std::vector<measured_run>& runs, clust
   r.rms_relative_error = fbest;
   r.samples = runs.size();
   r.exchange_samples = exchanges;
-  r.alpha_pinned = false;
+  r.alpha_pinned = false;  // alpha = a^2 >= 0 by construction: nothing to pin
   r.eta_tied = tie_eta;
   return r;
 }
