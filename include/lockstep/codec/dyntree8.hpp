@@ -72,13 +72,14 @@ struct dyntree8_format {
   LOCKSTEP_HD static std::uint8_t quantize(float unit) noexcept { return static_cast<std::uint8_t>(code(unit)); }
 
 #if LOCKSTEP_HOST_AVX2
-  // code() for 32 values x[0..32) * inv at once, in order, with code()'s operations in code()'s
-  // order (so the same bits): the decade from six compares, 10^k/0.9 from an 8-entry table by one
-  // permute, the scaling by 2^(6-k) as an integer add to the exponent. The sign bits need no
+  // code() for 32 values x[0..32) * inv at once, in order, with code()'s rounding operations in
+  // code()'s order (so the same bits; tests/test_codec.cpp checks every unit value): the decade
+  // from the exponent and one compare, 10^k/0.9 from an 8-entry table by a permute, the scaling by
+  // 2^(6-k) as an integer subtract from the exponent (magnitude8). The sign bits need no
   // arithmetic: the saturating packs that narrow 32-bit lanes to bytes turn a float's raw bits into
-  // 0x80 when negative (and 0..0x7f otherwise). About 20 operations and one lane-crossing permute
-  // per 8 values; an earlier form took four permutes (each 4 cycles of throughput on Zen 1) and
-  // GCC's own vectorisation of code() 75 operations, which left the encoder compute-bound.
+  // 0x80 when negative (and 0..0x7f otherwise). About 17 operations and two permutes per 8 values
+  // (a lane-crossing permute is one cheap operation on Zen 3, four cycles of throughput on Zen 1);
+  // the decade from six compares took about 20, GCC's own vectorisation of code() 75.
   static __m256i codes32(const float* x, __m256 inv) noexcept {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' interleaving
     __m256i u[4], mag[4];
@@ -91,27 +92,31 @@ struct dyntree8_format {
     return _mm256_permutevar8x32_epi32(_mm256_or_si256(m, _mm256_and_si256(s, _mm256_set1_epi8(static_cast<char>(0x80)))), order);
   }
 
-  // The magnitude bits of code() for 8 unit values (given as bits), in 32-bit lanes.
+  // The magnitude bits of code() for 8 unit values (given as bits), in 32-bit lanes. The decade
+  // from the exponent instead of six compares: a binade [2^e, 2^(e+1)) holds at most one of the
+  // thresholds 1e-1 .. 1e-6, so k = (thresholds at or above the binade's top) + (|u| below the
+  // next threshold). The first count is floor((126 - E) * log10(2)) for the biased exponent E
+  // (as (126 - E) * 77 >> 8, exact for every E the thresholds care about, 0 from E = 127 up by
+  // a saturating subtract, capped at 6), the threshold is one permute away. Then as code(), with
+  // the scaling by 64 folded into the per-decade constants (exact: powers of two), so that
+  // 2^(6-k) becomes 2^-k, a subtract from the exponent field.
   static __m256i magnitude8(__m256i u) noexcept {
     const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-    // minus the number of thresholds 1e-1 .. 1e-6 that |unit| reaches: k - 6, in -6..0
-    __m256i d = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3dcccccd - 1));
-    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3c23d70a - 1)));
-    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3a83126f - 1)));
-    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x38d1b717 - 1)));
-    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3727c5ac - 1)));
-    d = _mm256_add_epi32(d, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x358637bd - 1)));
-    // A permute reads the low 3 bits of its index: k - 6 lands on entry (k + 2) mod 8 (entry 1
-    // is never read). Entries are code()'s per_decade: 10^k (exact) times inv_09, rounded once.
-    const __m256 per_decade = _mm256_setr_ps(1e6f * inv_09, 0.0f, 1.0f * inv_09, 10.0f * inv_09, 100.0f * inv_09,
-                                             1000.0f * inv_09, 10000.0f * inv_09, 100000.0f * inv_09);
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(per_decade, d)),
-                                   _mm256_set1_ps(eight_ninths));
-    // min(v, below 2) * 2^(6-k), exact: 6 - k = -d added to the exponent field (v lies in about
-    // [8/9, 2], far from overflow and subnormals).
-    const __m256i capped = _mm256_min_epi32(_mm256_castps_si256(v), _mm256_set1_epi32(below_two));
-    const __m256i scaled = _mm256_sub_epi32(capped, _mm256_slli_epi32(d, 23));
-    return _mm256_cvttps_epi32(_mm256_castsi256_ps(scaled));
+    const __m256i above = _mm256_mulhi_epu16(_mm256_subs_epu16(_mm256_set1_epi32(126), _mm256_srli_epi32(a, 23)),
+                                             _mm256_set1_epi32(77 << 8));
+    const __m256i base = _mm256_min_epu32(above, _mm256_set1_epi32(6));
+    // threshold base+1 (1e-1 .. 1e-6), or 0 (none) for base 6; cmpgt is -1 where |u| is below it
+    const __m256i next = _mm256_setr_epi32(0x3dcccccd, 0x3c23d70a, 0x3a83126f, 0x38d1b717, 0x3727c5ac, 0x358637bd, 0, 0);
+    const __m256i k = _mm256_sub_epi32(base, _mm256_cmpgt_epi32(_mm256_permutevar8x32_epi32(next, base), a));
+    // code()'s per_decade (10^k exact, times inv_09, rounded once), times 64
+    const __m256 per_decade = _mm256_setr_ps(64.0f * (1.0f * inv_09), 64.0f * (10.0f * inv_09), 64.0f * (100.0f * inv_09),
+                                             64.0f * (1000.0f * inv_09), 64.0f * (10000.0f * inv_09),
+                                             64.0f * (100000.0f * inv_09), 64.0f * (1e6f * inv_09), 0.0f);
+    const __m256 v64 = _mm256_add_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_permutevar8x32_ps(per_decade, k)),
+                                     _mm256_set1_ps(64.0f * eight_ninths));
+    // min(v, below 2) * 64 * 2^-k, exact (v64 lies in about [57, 128], far from subnormals)
+    const __m256i capped = _mm256_min_epi32(_mm256_castps_si256(v64), _mm256_set1_epi32(below_two + (6 << 23)));
+    return _mm256_cvttps_epi32(_mm256_castsi256_ps(_mm256_sub_epi32(capped, _mm256_slli_epi32(k, 23))));
   }
 #endif
 
