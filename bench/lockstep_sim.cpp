@@ -194,37 +194,40 @@ void print_gamma(const options& o, const std::map<std::string, sim::codec_model>
   }
 }
 
-int run_fit(options& o) {
-  std::ifstream in(o.fit_file);
-  if (!in) throw std::runtime_error("cannot open " + o.fit_file);
+// The lockstep all-reduces of a bench JSON file, with their codec models (added to `models`,
+// gamma measured when asked) and each run's token bucket: the "burst" netlab recorded, else --burst.
+std::vector<sim::measured_run> read_runs(const options& o, const std::string& file,
+                                         std::map<std::string, sim::codec_model>& models) {
+  std::ifstream in(file);
+  if (!in) throw std::runtime_error("cannot open " + file);
   std::vector<sim::json_object> lines;
   for (std::string line; std::getline(in, line);)
     if (auto obj = sim::parse_json_line(line)) lines.push_back(*obj);
   std::vector<std::string> names;
   for (auto& l : lines)
-    if (l.count("codec")) names.push_back(l["codec"]);
-  auto models = codec_models(o, names);
-  std::vector<sim::sample> samples;
-  for (auto& l : lines) {
-    if (!l.count("codec") || !l.count("time_us")) continue;
-    // the model the predictions below use: same handshake and send-ahead switches
-    auto t = sim::terms_of(l, models.at(l["codec"]), o.cl.segment_bytes, o.cl.handshake, o.cl.send_ahead);
-    if (!t) continue;
-    const auto& c = models.at(l["codec"]);
-    samples.push_back(sim::sample_of(*t, c.rates, std::stod(l["time_us"]) * 1e-6));
-  }
-  sim::fit_result f = sim::fit_alpha_beta(samples);
-  // The links' token bucket in each measurement: the "burst" netlab recorded, else --burst.
-  auto burst_of = [&](sim::json_object& l) { return l.count("burst") ? parse_size(l["burst"]) : o.cl.nic.burst_bytes; };
-  double max_burst = 0;
+    if (l.count("codec") && !models.count(l["codec"])) names.push_back(l["codec"]);
+  models.merge(codec_models(o, names));
+  std::vector<sim::measured_run> runs;
   for (auto& l : lines)
-    if (l.count("time_us")) max_burst = std::max(max_burst, burst_of(l));
+    if (auto r = sim::run_of(l, models, l.count("burst") ? parse_size(l["burst"]) : o.cl.nic.burst_bytes))
+      runs.push_back(*r);
+  return runs;
+}
+
+int run_fit(options& o) {
+  std::map<std::string, sim::codec_model> models;
+  std::vector<sim::measured_run> runs = read_runs(o, o.fit_file, models);
+  // the closed-form fit, with the model the predictions below use (same handshake, send-ahead)
+  std::vector<sim::sample> samples;
+  for (const auto& r : runs)
+    samples.push_back(sim::sample_of(sim::terms_of(r, r.codec, o.cl.segment_bytes, o.cl.handshake, o.cl.send_ahead),
+                                     r.codec.rates, r.seconds));
+  sim::fit_result f = sim::fit_alpha_beta(samples);
+  double max_burst = 0;
+  for (const auto& r : runs) max_burst = std::max(max_burst, r.burst_bytes);
   if (max_burst > 0 || o.cl.segments_ahead != 0) {
     // no closed form for a bucket or a send window: refine the linear fit on the simulator's own
     // predictions
-    std::vector<sim::measured_run> runs;
-    for (auto& l : lines)
-      if (auto r = sim::run_of(l, models, burst_of(l))) runs.push_back(*r);
     sim::link_params start = f.link;
     start.burst_rate_Bps = o.cl.nic.burst_rate_Bps;  // --burst-gbit: measured, not fitted
     f = sim::fit_by_simulation(runs, o.cl, start, o.cl.nic.burst_rate_Bps == 0);
@@ -252,32 +255,17 @@ int run_fit(options& o) {
                               : "no token bucket (closed-form fit)",
                 100 * f.rms_relative_error);
   if (!o.compare) return 0;
-  if (!o.against_file.empty()) {
-    // out of sample: the fitted link against another file's measurements
-    std::ifstream other(o.against_file);
-    if (!other) throw std::runtime_error("cannot open " + o.against_file);
-    lines.clear();
-    for (std::string line; std::getline(other, line);)
-      if (auto obj = sim::parse_json_line(line)) lines.push_back(*obj);
-    std::vector<std::string> more;
-    for (auto& l : lines)
-      if (l.count("codec") && !models.count(l["codec"])) more.push_back(l["codec"]);
-    for (auto& [name, c] : codec_models(o, more)) models.emplace(name, c);
-  }
+  if (!o.against_file.empty()) runs = read_runs(o, o.against_file, models);  // out of sample
   if (!o.json)
     std::printf("%-9s %-9s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
                 "sim_us", "closed_us", "err");
   double worst = 0;
   int within = 0, total = 0;
-  for (auto& l : lines) {
-    if (!l.count("codec") || !l.count("time_us") || !l.count("topology")) continue;
-    if (l["topology"] != "ring" && l["topology"] != "torus2d") continue;
-    const int size = std::stoi(l.count("ranks") ? l["ranks"] : l["size"]);
-    const double bytes = std::stod(l["bytes"]), measured = std::stod(l["time_us"]) * 1e-6;
+  for (const auto& r : runs) {
     sim::cluster cl = o.cl;
-    cl.nic.burst_bytes = burst_of(l);
-    const auto p = predict(l["topology"], models.at(l["codec"]), size, static_cast<std::size_t>(bytes) / 4, cl);
-    const double err = (p.sim_s - measured) / measured;
+    cl.nic.burst_bytes = r.burst_bytes;
+    const auto p = predict(r.topology, r.codec, r.ranks, r.n, cl);
+    const double bytes = static_cast<double>(r.n * sizeof(float)), err = (p.sim_s - r.seconds) / r.seconds;
     if (bytes >= o.min_compare_bytes) {
       ++total;
       within += std::abs(err) <= 0.15;
@@ -286,11 +274,11 @@ int run_fit(options& o) {
     if (o.json)
       std::printf("{\"kind\":\"compare\",\"topology\":\"%s\",\"codec\":\"%s\",\"ranks\":%d,\"bytes\":%.0f,"
                   "\"measured_us\":%.1f,\"sim_us\":%.1f,\"closed_us\":%.1f,\"rel_err\":%.4f}\n",
-                  l["topology"].c_str(), l["codec"].c_str(), size, bytes, measured * 1e6, p.sim_s * 1e6,
+                  r.topology.c_str(), r.codec.name.c_str(), r.ranks, bytes, r.seconds * 1e6, p.sim_s * 1e6,
                   p.closed_s * 1e6, err);
     else
-      std::printf("%-9s %-9s %5d %10.0f %12.1f %12.1f %12.1f %+7.1f%%\n", l["topology"].c_str(), l["codec"].c_str(),
-                  size, bytes, measured * 1e6, p.sim_s * 1e6, p.closed_s * 1e6, 100 * err);
+      std::printf("%-9s %-9s %5d %10.0f %12.1f %12.1f %12.1f %+7.1f%%\n", r.topology.c_str(), r.codec.name.c_str(),
+                  r.ranks, bytes, r.seconds * 1e6, p.sim_s * 1e6, p.closed_s * 1e6, 100 * err);
   }
   if (o.json)
     std::printf("{\"kind\":\"compare_summary\",\"min_bytes\":%.0f,\"within_15pct\":%d,\"total\":%d,\"worst_rel_err\":%.4f}\n",

@@ -437,7 +437,7 @@ TEST_CASE("the simulation fit recovers alpha, bandwidth, eta and the burst rate"
         for (std::size_t mib : {4, 16, 64}) {
           sim::codec_model c = sim::codec_by_name(codec);
           c.rates = some_gamma();
-          sim::measured_run m{topo, 4, mib << 18, c, 0, burst};
+          sim::measured_run m{{topo, 4, mib << 18}, c, 0, burst};
           m.seconds = sim::simulate(m, truth);
           runs.push_back(m);
         }
@@ -471,7 +471,7 @@ TEST_CASE("the simulation fit holds eta at 1 without exchanges and refuses empty
   for (std::size_t mib : {4, 16, 64}) {  // 4-rank rings only: every step one-way
     sim::codec_model c = sim::codec_by_name("int8");
     c.rates = some_gamma();
-    sim::measured_run m{"ring", 4, mib << 18, c, 0, -1};
+    sim::measured_run m{{"ring", 4, mib << 18}, c, 0, -1};
     m.seconds = sim::simulate(m, truth);
     runs.push_back(m);
   }

@@ -28,6 +28,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../codec.hpp"
@@ -230,75 +231,82 @@ inline std::pair<int, int> square_shape(int size) {
   return {r, size / r};
 }
 
-// The closed-form terms of one measurement; nullopt when the line is not a lockstep all-reduce the
-// model covers (an MPI_Allreduce baseline, say, whose algorithm we do not know).
+// What a bench JSON line says ran: a ring or most-square torus all-reduce of n fp32 values over
+// `ranks`; nullopt for lines the models do not cover (an MPI_Allreduce baseline, say, whose
+// algorithm we do not know) or that lack a field.
+struct line_shape {
+  std::string topology;  // ring or torus2d (the most square shape, as the benches run it)
+  int ranks = 1;
+  std::size_t n = 0;     // fp32 values
+};
+
+inline std::optional<line_shape> shape_of(const json_object& o) {
+  auto get = [&](const char* k) -> const std::string* {
+    auto it = o.find(k);
+    return it == o.end() ? nullptr : &it->second;
+  };
+  const std::string *topo = get("topology"), *bytes = get("bytes"), *ranks = get("ranks");
+  if (!ranks) ranks = get("size");
+  if (!topo || !bytes || !ranks || (*topo != "ring" && *topo != "torus2d")) return std::nullopt;
+  try {
+    const int size = std::stoi(*ranks);
+    if (size < 1) return std::nullopt;
+    return line_shape{*topo, size, static_cast<std::size_t>(std::stod(*bytes)) / sizeof(float)};
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+// The closed-form terms of an all-reduce of that shape (n rounded down to equal chunks: the
+// closed forms want them; off by < ranks values).
+inline cost_terms terms_of(const line_shape& r, const codec_model& c, std::size_t segment_bytes, bool handshake = true,
+                           bool send_ahead = false) {
+  const std::size_t n = r.n - r.n % static_cast<std::size_t>(r.ranks);
+  if (r.topology == "ring") return ring_terms(r.ranks, n, c, segment_bytes, handshake, send_ahead);
+  auto [rows, cols] = square_shape(r.ranks);
+  return torus2d_terms(rows, cols, n, c, segment_bytes, handshake, send_ahead);
+}
+
+// The closed-form terms of one measurement; nullopt where shape_of has none.
 inline std::optional<cost_terms> terms_of(const json_object& o, const codec_model& c, std::size_t segment_bytes,
                                           bool handshake = true, bool send_ahead = false) {
-  auto num = [&](const char* k) -> std::optional<double> {
-    auto it = o.find(k);
-    if (it == o.end()) return std::nullopt;
-    try {
-      return std::stod(it->second);
-    } catch (...) {
-      return std::nullopt;
-    }
-  };
-  auto topo = o.find("topology");
-  auto ranks = num("ranks");
-  if (!ranks) ranks = num("size");
-  auto bytes = num("bytes");
-  if (topo == o.end() || !ranks || !bytes) return std::nullopt;
-  const int size = static_cast<int>(*ranks);
-  std::size_t n = static_cast<std::size_t>(*bytes) / sizeof(float);
-  n -= n % static_cast<std::size_t>(size);  // the closed forms want equal chunks; off by < size values
-  if (topo->second == "ring") return ring_terms(size, n, c, segment_bytes, handshake, send_ahead);
-  if (topo->second == "torus2d") {
-    auto [r, cc] = square_shape(size);
-    return torus2d_terms(r, cc, n, c, segment_bytes, handshake, send_ahead);
-  }
+  if (auto r = shape_of(o)) return terms_of(*r, c, segment_bytes, handshake, send_ahead);
   return std::nullopt;
 }
 
 // One measured all-reduce, as the simulator replays it.
-struct measured_run {
-  std::string topology;  // ring or torus2d (the most square shape, as the benches run it)
-  int ranks = 1;
-  std::size_t n = 0;     // fp32 values
+struct measured_run : line_shape {
   codec_model codec;
   double seconds = 0;
   double burst_bytes = -1;  // the links' token bucket in this run; < 0: the cluster's
+
+  measured_run() = default;
+  measured_run(line_shape shape, codec_model c, double s, double burst = -1)
+      : line_shape(std::move(shape)), codec(std::move(c)), seconds(s), burst_bytes(burst) {}
 };
 
-// The simulator's time for one measured run on cluster cl.
+// The simulator's time for an all-reduce of that shape on cluster cl (with the run's own bucket).
 inline double simulate(const measured_run& m, cluster cl) {
   if (m.burst_bytes >= 0) cl.nic.burst_bytes = m.burst_bytes;
   simulator s(cl, m.codec);
   const std::size_t n = m.n - m.n % static_cast<std::size_t>(m.ranks);
   if (m.topology == "ring") return s.all_reduce(topology::ring{}, m.ranks, n).time_s;
-  if (m.topology == "torus2d") {
-    auto [r, c] = square_shape(m.ranks);
-    return s.all_reduce(topology::torus2d{r, c}, m.ranks, n).time_s;
-  }
-  throw std::invalid_argument("simulate: no schedule for topology '" + m.topology + "'");
+  if (m.topology != "torus2d") throw std::invalid_argument("simulate: no schedule for topology '" + m.topology + "'");
+  auto [r, c] = square_shape(m.ranks);
+  return s.all_reduce(topology::torus2d{r, c}, m.ranks, n).time_s;
 }
 
 // The measurement a JSON line describes, with its codec model from `models` (by name) and
-// burst_bytes as given; nullopt for lines the simulator does not replay (MPI_Allreduce, gloo).
+// burst_bytes as given; nullopt where shape_of has none, or without a known codec or a time.
 inline std::optional<measured_run> run_of(const json_object& o, const std::map<std::string, codec_model>& models,
                                           double burst_bytes = -1) {
-  auto get = [&](const char* k) -> std::optional<std::string> {
-    auto it = o.find(k);
-    return it == o.end() ? std::nullopt : std::optional{it->second};
-  };
-  auto topo = get("topology"), codec = get("codec"), bytes = get("bytes"), t = get("time_us");
-  auto ranks = get("ranks");
-  if (!ranks) ranks = get("size");
-  if (!topo || !codec || !bytes || !t || !ranks || (*topo != "ring" && *topo != "torus2d")) return std::nullopt;
-  auto it = models.find(*codec);
+  auto shape = shape_of(o);
+  auto codec = o.find("codec"), t = o.find("time_us");
+  if (!shape || codec == o.end() || t == o.end()) return std::nullopt;
+  auto it = models.find(codec->second);
   if (it == models.end()) return std::nullopt;
   try {
-    return measured_run{*topo, std::stoi(*ranks), static_cast<std::size_t>(std::stod(*bytes)) / sizeof(float), it->second,
-                        std::stod(*t) * 1e-6, burst_bytes};
+    return measured_run{*shape, it->second, std::stod(t->second) * 1e-6, burst_bytes};
   } catch (...) {
     return std::nullopt;
   }

@@ -18,8 +18,9 @@
 //     and back-to-back segments pipeline: one latency per step, not per segment. A message of a
 //     step whose send peer is also its receive peer (a pairwise exchange) moves at
 //     exchange_efficiency x bandwidth (link_params; 1 by default). With link_params::burst_bytes
-//     each NIC direction is a token bucket (tbf): bytes covered by tokens leave at once, the rest
-//     at the rate; tokens accrue at the bandwidth while the link idles (all full at the start).
+//     each NIC direction is a token bucket (tbf): bytes covered by tokens leave at the burst rate
+//     (or at once), the rest at the rate; tokens accrue at the bandwidth while the link idles (all
+//     full at the start); see detail::transmit.
 //   * ranks of one host talk over `local` links that are not shared (memory copies).
 //   * the handshake: before a lossy codec's first encode, a header from every peer a rank
 //     receives from (fp32's first step is sent beside the headers, so it waits for none).
@@ -222,7 +223,7 @@ class simulator {
     finalize_ = finalize_owned;
     seg_ = segment_elems(codec_, cl_.segment_bytes);
     hosts_ = (size + cl_.ranks_per_host - 1) / cl_.ranks_per_host;
-    link_free_.assign(2 * static_cast<std::size_t>(hosts_), detail::shaper{0.0, cl_.nic.burst_bytes});
+    links_.assign(2 * static_cast<std::size_t>(hosts_), detail::shaper{0.0, cl_.nic.burst_bytes});
     core_free_ = 0;
     ranks_.assign(static_cast<std::size_t>(size), {});
     heap_.clear();
@@ -526,20 +527,16 @@ class simulator {
       end = start + static_cast<double>(m.bytes) / cl_.local.bandwidth_for(m.exchange);
       arrive = end + cl_.local.latency_s;
     } else {
-      detail::shaper& out = link_free_[2 * static_cast<std::size_t>(src / cl_.ranks_per_host)];
-      detail::shaper& in = link_free_[2 * static_cast<std::size_t>(dst / cl_.ranks_per_host) + 1];
-      const double bytes = static_cast<double>(m.bytes);
-      const double bw = cl_.nic.bandwidth_for(m.exchange);  // eta: the connection's two-way penalty
-      if (cl_.switch_bandwidth_Bps > 0) {
-        // The shared core (no buckets here: the constructor refuses them with a core): the
-        // message starts when the core is free too and moves at the slower of the two rates.
-        const double core_bw = m.exchange ? cl_.switch_bandwidth_Bps * cl_.nic.exchange_efficiency : cl_.switch_bandwidth_Bps;
-        start = std::max(start, core_free_);
-        end = detail::transmit(std::array{&out, &in}, start, bytes, std::min(bw, core_bw), cl_.nic);
-        core_free_ = end;
-      } else {
-        end = detail::transmit(std::array{&out, &in}, start, bytes, bw, cl_.nic);
-      }
+      detail::shaper& out = links_[2 * static_cast<std::size_t>(src / cl_.ranks_per_host)];
+      detail::shaper& in = links_[2 * static_cast<std::size_t>(dst / cl_.ranks_per_host) + 1];
+      const bool core = cl_.switch_bandwidth_Bps > 0;
+      // eta: the connection's two-way penalty; a shared core (no buckets there: the constructor
+      // refuses them) is one more link the message waits for, and the slower rate decides
+      const double rate = (m.exchange ? cl_.nic.exchange_efficiency : 1.0) *
+                          (core ? std::min(cl_.nic.bandwidth_Bps, cl_.switch_bandwidth_Bps) : cl_.nic.bandwidth_Bps);
+      if (core) start = std::max(start, core_free_);
+      end = detail::transmit(std::array{&out, &in}, start, static_cast<double>(m.bytes), rate, cl_.nic);
+      if (core) core_free_ = end;
       arrive = end + cl_.nic.latency_s;
     }
     rank_state& S = ranks_[m.src];
@@ -565,8 +562,8 @@ class simulator {
   static std::int64_t lead(const rank_state& R) noexcept { return std::int64_t{R.sent} - std::int64_t{R.received}; }
   bool last_symmetric_ = false, no_symmetry_ = false;
   int symmetry_checks_ = 16;
-  std::vector<detail::shaper> link_free_;  // (host, direction)
-  double core_free_ = 0;                   // the shared switch core, when there is one
+  std::vector<detail::shaper> links_;  // (host, direction)
+  double core_free_ = 0;               // the shared switch core, when there is one
   std::vector<rank_state> ranks_;
   std::vector<message> heap_;
   std::uint64_t seq_ = 0, messages_ = 0;
