@@ -35,10 +35,8 @@ class error_feedback {
  public:
   static constexpr bool identity = false;
 
-  static constexpr std::size_t default_max_buffers = error_feedback_max_buffers;
-
   error_feedback() = default;
-  explicit error_feedback(C inner, std::size_t max_buffers = default_max_buffers)
+  explicit error_feedback(C inner, std::size_t max_buffers = error_feedback_max_buffers)
       : inner_(std::move(inner)), max_buffers_(max_buffers) {}
 
   constexpr auto name() const noexcept { return inner_.name(); }
@@ -87,7 +85,7 @@ class error_feedback {
 
  private:
   C inner_{};
-  std::size_t max_buffers_ = default_max_buffers;
+  std::size_t max_buffers_ = error_feedback_max_buffers;
   std::map<std::tuple<const void*, std::size_t, int>, std::vector<float>> residuals_;
 };
 
