@@ -200,7 +200,9 @@ double sanity_bound(const std::string& codec) {
 }
 bool check_failed = false;
 
-void print_row(const options& o, const row& r) {
+// segment: the transport's pipelining unit these rows ran with (recorded on lockstep's rows, so
+// that lockstep-sim --fit models each line with its own).
+void print_row(const options& o, const row& r, std::size_t segment) {
   if (o.check && !(r.max_rel_err <= sanity_bound(r.codec))) {
     std::fprintf(stderr, "lockstep-bench-allreduce: %s %s %zu bytes: max_rel_err %.3e above %.1e\n", r.topology.c_str(),
                  r.codec.c_str(), r.bytes, r.max_rel_err, sanity_bound(r.codec));
@@ -211,9 +213,10 @@ void print_row(const options& o, const row& r) {
   if (o.json) {
     std::printf(
         "{\"op\":\"all_reduce\",\"topology\":\"%s\",\"codec\":\"%s\",\"transport\":\"%s\",\"ranks\":%d,"
-        "\"bytes\":%zu,\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f,\"max_rel_err\":%.3e}\n",
+        "\"bytes\":%zu,\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f,\"max_rel_err\":%.3e%s}\n",
         r.topology.c_str(), r.codec.c_str(), r.transport.c_str(), r.ranks, r.bytes, r.time_us, algbw, busbw,
-        r.max_rel_err);
+        r.max_rel_err,
+        r.topology == "mpi_allreduce" ? "" : (",\"segment_bytes\":" + std::to_string(segment)).c_str());
   } else {
     std::printf(" %13zu %12zu %-14s %-9s %11.1f %12.3f %12.3f %12.2e\n", r.bytes, r.bytes / sizeof(float),
                 r.topology.c_str(), r.codec.c_str(), r.time_us, algbw, busbw, r.max_rel_err);
@@ -341,7 +344,7 @@ int run_inproc_bench(const options& o) {
         auto cs = lockstep_contenders(g, o);
         for (std::size_t bytes : o.sizes)
           for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "inproc"))
-            if (g.rank() == 0) print_row(o, r);
+            if (g.rank() == 0) print_row(o, r, o.segment_bytes ? o.segment_bytes : transport::inproc::segment_bytes);
       },
       opt);
   return check_failed ? 1 : 0;
@@ -377,7 +380,7 @@ int run_mpi_bench(const options& o, int* argc, char*** argv) {
   try {
     for (std::size_t bytes : o.sizes)
       for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "mpi"))
-        if (g.rank() == 0) print_row(o, r);
+        if (g.rank() == 0) print_row(o, r, o.segment_bytes ? o.segment_bytes : transport::mpi::segment_bytes);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep-bench-allreduce: %s\n", e.what());
     MPI_Abort(MPI_COMM_WORLD, 1);  // the other ranks are stuck in a collective this one left

@@ -75,7 +75,8 @@ void usage() {
       "                       receive peer: ring of 2, torus row/column of 2) gets, (0,1] (default 1)\n"
       "  --ranks-per-host K   ranks sharing one NIC (default 1)\n"
       "  --switch-gbit G      shared switch core (default 0: non-blocking)\n"
-      "  --segment-bytes B    the transport's segment size (default 1M)\n"
+      "  --segment-bytes B    the transport's segment size (default 1M); --fit: for lines\n"
+      "                       without the bench's \"segment_bytes\"\n"
       "  --burst B            each NIC direction is a token bucket of B bytes (tc tbf's burst;\n"
       "                       default 0: a plain rate); --fit: for lines without netlab's \"burst\"\n"
       "  --burst-gbit G       how fast the bucket's bytes leave (default 0: at once)\n"
@@ -195,7 +196,8 @@ void print_gamma(const options& o, const std::map<std::string, sim::codec_model>
 }
 
 // The lockstep all-reduces of a bench JSON file, with their codec models (added to `models`,
-// gamma measured when asked) and each run's token bucket: the "burst" netlab recorded, else --burst.
+// gamma measured when asked), each run's token bucket (the "burst" netlab recorded, else --burst)
+// and its segment size (the "segment_bytes" the bench recorded, else --segment-bytes).
 std::vector<sim::measured_run> read_runs(const options& o, const std::string& file,
                                          std::map<std::string, sim::codec_model>& models) {
   std::ifstream in(file);
@@ -220,7 +222,7 @@ int run_fit(options& o) {
   // the closed-form fit, with the model the predictions below use (same handshake, send-ahead)
   std::vector<sim::sample> samples;
   for (const auto& r : runs)
-    samples.push_back(sim::sample_of(sim::terms_of(r, r.codec, o.cl.segment_bytes, o.cl.handshake, o.cl.send_ahead),
+    samples.push_back(sim::sample_of(sim::terms_of(r, r.codec, sim::cluster_of(r, o.cl).segment_bytes, o.cl.handshake, o.cl.send_ahead),
                                      r.codec.rates, r.seconds));
   sim::fit_result f = sim::fit_alpha_beta(samples);
   double max_burst = 0;
@@ -262,9 +264,7 @@ int run_fit(options& o) {
   double worst = 0;
   int within = 0, total = 0;
   for (const auto& r : runs) {
-    sim::cluster cl = o.cl;
-    cl.nic.burst_bytes = r.burst_bytes;
-    const auto p = predict(r.topology, r.codec, r.ranks, r.n, cl);
+    const auto p = predict(r.topology, r.codec, r.ranks, r.n, sim::cluster_of(r, o.cl));
     const double bytes = static_cast<double>(r.n * sizeof(float)), err = (p.sim_s - r.seconds) / r.seconds;
     if (bytes >= o.min_compare_bytes) {
       ++total;

@@ -452,6 +452,25 @@ TEST_CASE("the simulation fit recovers alpha, bandwidth, eta and the burst rate"
   REQUIRE(f.link.burst_rate_Bps == Approx(300e6).epsilon(0.15));
 }
 
+TEST_CASE("a measurement is simulated with the segment size its bench line recorded", "[sim][fit]") {
+  sim::cluster cl = gigabit();  // one segment at a time: every segment pays alpha, so the size shows
+  cl.segment_bytes = std::size_t{1} << 20;
+  const std::map<std::string, sim::codec_model> models{{"fp32", sim::codec_by_name("fp32")}};
+  const std::string line =
+      R"({"op":"all_reduce","topology":"ring","codec":"fp32","transport":"mpi","ranks":4,"bytes":16777216,"time_us":250000.0)";
+  const auto plain = sim::run_of(*sim::parse_json_line(line + "}"), models, 0);
+  const auto small = sim::run_of(*sim::parse_json_line(line + R"(,"segment_bytes":262144})"), models, 0);
+  REQUIRE(plain);
+  REQUIRE(small);
+  REQUIRE(plain->segment_bytes == 0);
+  REQUIRE(small->segment_bytes == 262144);
+  sim::cluster quarter = cl;
+  quarter.segment_bytes = 262144;
+  REQUIRE(sim::simulate(*small, cl) == sim::simulate(*plain, quarter));
+  REQUIRE(sim::simulate(*small, cl) > sim::simulate(*plain, cl));  // 4x the segments, 4x the alphas
+  REQUIRE_FALSE(sim::run_of(*sim::parse_json_line(line + R"(,"segment_bytes":"many"})"), models, 0));
+}
+
 TEST_CASE("a bucket the simulator cannot model is refused", "[sim][bucket]") {
   sim::cluster cl = gigabit();
   cl.nic.burst_bytes = -1;

@@ -278,17 +278,25 @@ inline std::optional<cost_terms> terms_of(const json_object& o, const codec_mode
 struct measured_run : line_shape {
   codec_model codec;
   double seconds = 0;
-  double burst_bytes = -1;  // the links' token bucket in this run; < 0: the cluster's
+  double burst_bytes = -1;       // the links' token bucket in this run; < 0: the cluster's
+  std::size_t segment_bytes = 0;  // the executor's segment in this run; 0: the cluster's
 
   measured_run() = default;
-  measured_run(line_shape shape, codec_model c, double s, double burst = -1)
-      : line_shape(std::move(shape)), codec(std::move(c)), seconds(s), burst_bytes(burst) {}
+  measured_run(line_shape shape, codec_model c, double s, double burst = -1, std::size_t segment = 0)
+      : line_shape(std::move(shape)), codec(std::move(c)), seconds(s), burst_bytes(burst), segment_bytes(segment) {}
 };
 
-// The simulator's time for an all-reduce of that shape on cluster cl (with the run's own bucket).
-inline double simulate(const measured_run& m, cluster cl) {
+// cl as the run had it: its own token bucket and segment size, where it recorded them.
+inline cluster cluster_of(const measured_run& m, cluster cl) {
   if (m.burst_bytes >= 0) cl.nic.burst_bytes = m.burst_bytes;
-  simulator s(cl, m.codec);
+  if (m.segment_bytes > 0) cl.segment_bytes = m.segment_bytes;
+  return cl;
+}
+
+// The simulator's time for an all-reduce of that shape on cluster cl (with the run's own bucket
+// and segment size).
+inline double simulate(const measured_run& m, const cluster& cl) {
+  simulator s(cluster_of(m, cl), m.codec);
   const std::size_t n = m.n - m.n % static_cast<std::size_t>(m.ranks);
   if (m.topology == "ring") return s.all_reduce(topology::ring{}, m.ranks, n).time_s;
   if (m.topology != "torus2d") throw std::invalid_argument("simulate: no schedule for topology '" + m.topology + "'");
@@ -296,17 +304,19 @@ inline double simulate(const measured_run& m, cluster cl) {
   return s.all_reduce(topology::torus2d{r, c}, m.ranks, n).time_s;
 }
 
-// The measurement a JSON line describes, with its codec model from `models` (by name) and
-// burst_bytes as given; nullopt where shape_of has none, or without a known codec or a time.
+// The measurement a JSON line describes, with its codec model from `models` (by name), burst_bytes
+// as given and the segment size the bench recorded ("segment_bytes"; lines without it: 0, the
+// cluster's); nullopt where shape_of has none, or without a known codec or a time.
 inline std::optional<measured_run> run_of(const json_object& o, const std::map<std::string, codec_model>& models,
                                           double burst_bytes = -1) {
   auto shape = shape_of(o);
-  auto codec = o.find("codec"), t = o.find("time_us");
+  auto codec = o.find("codec"), t = o.find("time_us"), seg = o.find("segment_bytes");
   if (!shape || codec == o.end() || t == o.end()) return std::nullopt;
   auto it = models.find(codec->second);
   if (it == models.end()) return std::nullopt;
   try {
-    return measured_run{*shape, it->second, std::stod(t->second) * 1e-6, burst_bytes};
+    const std::size_t segment = seg == o.end() ? 0 : static_cast<std::size_t>(std::stoull(seg->second));
+    return measured_run{*shape, it->second, std::stod(t->second) * 1e-6, burst_bytes, segment};
   } catch (...) {
     return std::nullopt;
   }
