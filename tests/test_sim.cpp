@@ -468,7 +468,11 @@ TEST_CASE("a measurement is simulated with the segment size its bench line recor
   quarter.segment_bytes = 262144;
   REQUIRE(sim::simulate(*small, cl) == sim::simulate(*plain, quarter));
   REQUIRE(sim::simulate(*small, cl) > sim::simulate(*plain, cl));  // 4x the segments, 4x the alphas
-  REQUIRE_FALSE(sim::run_of(*sim::parse_json_line(line + R"(,"segment_bytes":"many"})"), models, 0));
+  for (const char* bad : {R"("many")", "-1", "0", "1e6", "12abc", "99999999999999999999999"}) {
+    const auto o = sim::parse_json_line(line + ",\"segment_bytes\":" + bad + "}");
+    REQUIRE(o);
+    REQUIRE_THROWS_WITH(sim::run_of(*o, models, 0), Catch::Contains("segment_bytes"));
+  }
 }
 
 TEST_CASE("a bucket the simulator cannot model is refused", "[sim][bucket]") {

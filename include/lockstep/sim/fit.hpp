@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -306,7 +307,8 @@ inline double simulate(const measured_run& m, const cluster& cl) {
 
 // The measurement a JSON line describes, with its codec model from `models` (by name), burst_bytes
 // as given and the segment size the bench recorded ("segment_bytes"; lines without it: 0, the
-// cluster's); nullopt where shape_of has none, or without a known codec or a time.
+// cluster's); nullopt where shape_of has none, or without a known codec or a time. A recorded
+// segment size that is not a positive whole number of bytes is an error, not another segment.
 inline std::optional<measured_run> run_of(const json_object& o, const std::map<std::string, codec_model>& models,
                                           double burst_bytes = -1) {
   auto shape = shape_of(o);
@@ -314,8 +316,14 @@ inline std::optional<measured_run> run_of(const json_object& o, const std::map<s
   if (!shape || codec == o.end() || t == o.end()) return std::nullopt;
   auto it = models.find(codec->second);
   if (it == models.end()) return std::nullopt;
+  std::size_t segment = 0;
+  if (seg != o.end()) {
+    const std::string& v = seg->second;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), segment);
+    if (ec != std::errc{} || end != v.data() + v.size() || segment == 0)
+      throw std::invalid_argument("segment_bytes \"" + v + "\" is not a positive number of bytes");
+  }
   try {
-    const std::size_t segment = seg == o.end() ? 0 : static_cast<std::size_t>(std::stoull(seg->second));
     return measured_run{*shape, it->second, std::stod(t->second) * 1e-6, burst_bytes, segment};
   } catch (...) {
     return std::nullopt;
