@@ -36,6 +36,7 @@
 // segments are far smaller). After a timeout a send this rank gave up on may still be matched by
 // a late peer, and MPI is then free to read its buffer: the group should not be used again, and
 // the buffers of the failed call should outlive the transport if the peer may still be alive.
+// A failed endpoint's communicator is never freed, so no later communicator reuses its context.
 #pragma once
 
 // lockstep uses MPI's C interface; the C++ bindings were dropped by MPI-3 and their headers do not
@@ -126,7 +127,11 @@ struct mpi_comm_state {
     // After MPI_Finalize every MPI call is erroneous; the communicator went with it.
     if (comm != MPI_COMM_NULL && !mpi_finalized()) {
       // A collective abandoned by a timed-out split would make MPI_Comm_free wait for it forever.
-      if (abandoned.empty()) MPI_Comm_free(&comm);
+      // A failed endpoint's communicator is kept too: peers may still send on it, and Open MPI
+      // hands a freed communicator's context id to the next one made, where such a late
+      // message would be matched as if it were new (a CI run saw a fresh group fail with a
+      // mismatch 0.1 ms into its first call).
+      if (abandoned.empty() && !aborted.load()) MPI_Comm_free(&comm);
     }
   }
 };
