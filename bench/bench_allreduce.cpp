@@ -344,7 +344,7 @@ int run_inproc_bench(const options& o) {
         auto cs = lockstep_contenders(g, o);
         for (std::size_t bytes : o.sizes)
           for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "inproc"))
-            if (g.rank() == 0) print_row(o, r, o.segment_bytes ? o.segment_bytes : transport::inproc::segment_bytes);
+            if (g.rank() == 0) print_row(o, r, g.segment_bytes());
       },
       opt);
   return check_failed ? 1 : 0;
@@ -380,7 +380,7 @@ int run_mpi_bench(const options& o, int* argc, char*** argv) {
   try {
     for (std::size_t bytes : o.sizes)
       for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "mpi"))
-        if (g.rank() == 0) print_row(o, r, o.segment_bytes ? o.segment_bytes : transport::mpi::segment_bytes);
+        if (g.rank() == 0) print_row(o, r, g.segment_bytes());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep-bench-allreduce: %s\n", e.what());
     MPI_Abort(MPI_COMM_WORLD, 1);  // the other ranks are stuck in a collective this one left

@@ -121,7 +121,7 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
   if (n > max_count) throw error(errc::invalid_argument, op.label, rank, -1, "count " + std::to_string(n) + " overflows the wire format");
 
   const std::size_t block = std::max<std::size_t>(1, codec.block());
-  const std::size_t seg_bytes = g.options().segment_bytes ? g.options().segment_bytes : T::segment_bytes;
+  const std::size_t seg_bytes = g.segment_bytes();
   const std::size_t seg = std::max(block, seg_bytes / sizeof(float) / block * block);
   const std::uint64_t seq = g.next_sequence();
 

@@ -42,6 +42,8 @@ class group {
   int rank() const noexcept { return s_->t.rank(); }
   int size() const noexcept { return s_->t.size(); }
   const group_options& options() const noexcept { return s_->opt; }
+  // The segment collectives pipeline large buffers in: the option, else the transport's choice.
+  std::size_t segment_bytes() const noexcept { return s_->opt.segment_bytes ? s_->opt.segment_bytes : T::segment_bytes; }
   T& transport() noexcept { return s_->t; }
   std::string name() const { return s_->t.name(); }
 

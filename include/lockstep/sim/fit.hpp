@@ -239,6 +239,8 @@ struct line_shape {
   std::string topology;  // ring or torus2d (the most square shape, as the benches run it)
   int ranks = 1;
   std::size_t n = 0;     // fp32 values
+  // n rounded down to equal chunks, as the models take it (off by < ranks values)
+  std::size_t equal_n() const noexcept { return n - n % static_cast<std::size_t>(ranks); }
 };
 
 inline std::optional<line_shape> shape_of(const json_object& o) {
@@ -258,11 +260,10 @@ inline std::optional<line_shape> shape_of(const json_object& o) {
   }
 }
 
-// The closed-form terms of an all-reduce of that shape (n rounded down to equal chunks: the
-// closed forms want them; off by < ranks values).
+// The closed-form terms of an all-reduce of that shape.
 inline cost_terms terms_of(const line_shape& r, const codec_model& c, std::size_t segment_bytes, bool handshake = true,
                            bool send_ahead = false) {
-  const std::size_t n = r.n - r.n % static_cast<std::size_t>(r.ranks);
+  const std::size_t n = r.equal_n();
   if (r.topology == "ring") return ring_terms(r.ranks, n, c, segment_bytes, handshake, send_ahead);
   auto [rows, cols] = square_shape(r.ranks);
   return torus2d_terms(rows, cols, n, c, segment_bytes, handshake, send_ahead);
@@ -298,7 +299,7 @@ inline cluster cluster_of(const measured_run& m, cluster cl) {
 // and segment size).
 inline double simulate(const measured_run& m, const cluster& cl) {
   simulator s(cluster_of(m, cl), m.codec);
-  const std::size_t n = m.n - m.n % static_cast<std::size_t>(m.ranks);
+  const std::size_t n = m.equal_n();
   if (m.topology == "ring") return s.all_reduce(topology::ring{}, m.ranks, n).time_s;
   if (m.topology != "torus2d") throw std::invalid_argument("simulate: no schedule for topology '" + m.topology + "'");
   auto [r, c] = square_shape(m.ranks);

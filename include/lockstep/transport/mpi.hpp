@@ -18,11 +18,11 @@
 // Over TCP (btl tcp), Open MPI sends a message above btl_tcp_eager_limit (64 KiB) by rendezvous:
 // the bulk waits for the receiver's acknowledgement, a round trip per message that, when two
 // ranks exchange (a 2-rank ring, the rows and columns of a 2 x C torus), shares the connection
-// with the receiver's own data. Measured over
-// shaped 1 Gbit/s links (docs/scaling.md, "Rendezvous"), raising the limit above one segment
-// (--mca btl_tcp_eager_limit 1100000 --mca btl_tcp_rndv_eager_limit 1100000 --mca
-// btl_tcp_max_send_size 1100000 for the default 1 MiB segment) made the 2x2 torus 1.4-1.7x and
-// the 8-bit ring 1.2-1.3x faster at 16 and 64 MiB. It is the job's setting to make, not the library's.
+// with the receiver's own data. Measured over shaped 1 Gbit/s links (docs/scaling.md,
+// "Rendezvous"), raising the limit above one segment (--mca btl_tcp_eager_limit 1100000 --mca
+// btl_tcp_rndv_eager_limit 1100000 --mca btl_tcp_max_send_size 1100000 for the default 1 MiB
+// segment) made the 2x2 torus 1.4-1.7x and the 8-bit ring 1.2-1.3x faster at 16 and 64 MiB. It
+// is the job's setting to make, not the library's.
 //
 // Waiting polls with a deadline. Ranks are often oversubscribed (4 ranks on 2 cores in CI) and a
 // rank spinning in MPI_Test steals the core its peer needs to make the progress it waits for, so
