@@ -199,6 +199,9 @@ double sanity_bound(const std::string& codec) {
   return 0.1;
 }
 bool check_failed = false;
+// Keys every lockstep row of this run carries besides the standard ones (over mpi: "shm_peers",
+// how many peers the shared-memory path reached).
+std::string extra_keys;
 
 // segment: the transport's pipelining unit these rows ran with (recorded on lockstep's rows, so
 // that lockstep-sim --fit models each line with its own).
@@ -216,7 +219,7 @@ void print_row(const options& o, const row& r, std::size_t segment) {
         "\"bytes\":%zu,\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f,\"max_rel_err\":%.3e%s}\n",
         r.topology.c_str(), r.codec.c_str(), r.transport.c_str(), r.ranks, r.bytes, r.time_us, algbw, busbw,
         r.max_rel_err,
-        r.topology == "mpi_allreduce" ? "" : (",\"segment_bytes\":" + std::to_string(segment)).c_str());
+        r.topology == "mpi_allreduce" ? "" : (",\"segment_bytes\":" + std::to_string(segment) + extra_keys).c_str());
   } else {
     std::printf(" %13zu %12zu %-14s %-9s %11.1f %12.3f %12.3f %12.2e\n", r.bytes, r.bytes / sizeof(float),
                 r.topology.c_str(), r.codec.c_str(), r.time_us, algbw, busbw, r.max_rel_err);
@@ -357,14 +360,18 @@ int run_mpi_bench(const options& o, int* argc, char*** argv) {
   opt.segment_bytes = o.segment_bytes;
   group<transport::mpi> g(transport::mpi(MPI_COMM_WORLD), opt);
   // MPI_Allreduce runs on a communicator of its own, so its traffic never meets lockstep's.
-  const transport::mpi peer(MPI_COMM_WORLD);
+  const transport::mpi peer(MPI_COMM_WORLD, transport::mpi_options{false, 0});
   const MPI_Comm comm = peer.comm();
+  const int shm_peers = g.transport().shared_memory_peers();
+  extra_keys = ",\"shm_peers\":" + std::to_string(shm_peers);
   if (o.ranks && o.ranks != g.size()) {
     if (g.rank() == 0)
       std::fprintf(stderr, "lockstep-bench-allreduce: --ranks %d, but the MPI job has %d ranks\n", o.ranks, g.size());
     return 2;
   }
-  if (g.rank() == 0) print_header(o, g.size(), "mpi");
+  if (g.rank() == 0)
+    print_header(o, g.size(), shm_peers ? "mpi (" + std::to_string(shm_peers) + " peers of rank 0 through shared memory)"
+                                        : "mpi (shared memory " + g.transport().shared_memory_note() + ")");
   rank_sync sync;
   sync.barrier = [comm] { MPI_Barrier(comm); };
   sync.max = [comm](double v) {

@@ -200,6 +200,19 @@ error caught(F&& f) {
   return error(errc::invalid_argument, "nothing thrown", -1, -1, "");
 }
 
+// Ranks on one node hear of a failing rank at once (shared memory): they throw errc::aborted
+// with its message instead of reaching their own diagnosis. Over MPI alone each rank finds out
+// for itself. Either way the error says what went wrong: `what` is in the message.
+bool is_or_relays(const error& e, errc code, const std::string& what) {
+  const std::string text = e.what();
+  if (e.code() == code) return what.empty() || text.find(what) != std::string::npos;
+  return e.code() == errc::aborted && text.find(std::string(to_string(code))) != std::string::npos &&
+         text.find(what) != std::string::npos;
+}
+bool timeout_or_mismatch(const error& e) {
+  return is_or_relays(e, errc::timeout, "") || is_or_relays(e, errc::mismatch, "");
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("every op x topology over mpi", "[mpi][collective]", codec::fp32, codec::bf16, codec::int8,
@@ -294,14 +307,15 @@ TEST_CASE("mismatched counts and codecs over mpi are errors naming the peer, in 
     CHECK(transport::clock::now() - t0 < 10s);
     // Ranks 0 and 1 read rank 0's or rank n-1's header and see the disagreement; the others wait
     // for data that never comes.
-    if (me <= 1) {
-      CHECK(e.code() == errc::mismatch);
+    CHECK(e.op() == "all_reduce(ring, fp32)");
+    if (me <= 1 && e.code() == errc::mismatch) {
       CHECK(e.peer() == prev);
-      CHECK(e.op() == "all_reduce(ring, fp32)");
       CHECK_THAT(e.what(), Catch::Contains("element count " + std::to_string(me == 0 ? 1001 : 1000) + " here, " +
                                            std::to_string(me == 0 ? 1000 : 1001) + " on the peer"));
+    } else if (me <= 1) {
+      CHECK(is_or_relays(e, errc::mismatch, "element count 1000 here, 1001 on the peer"));
     } else {
-      CHECK((e.code() == errc::timeout || e.code() == errc::mismatch));
+      CHECK(timeout_or_mismatch(e));
     }
   }
   SECTION("codec") {
@@ -316,11 +330,10 @@ TEST_CASE("mismatched counts and codecs over mpi are errors naming the peer, in 
     });
     CHECK(transport::clock::now() - t0 < 10s);
     if (me <= 1) {
-      CHECK(e.code() == errc::mismatch);
-      CHECK(e.peer() == prev);
-      CHECK_THAT(e.what(), Catch::Contains("codecs differ"));
+      CHECK(is_or_relays(e, errc::mismatch, "codecs differ"));
+      if (e.code() == errc::mismatch) CHECK(e.peer() == prev);
     } else {
-      CHECK((e.code() == errc::timeout || e.code() == errc::mismatch));
+      CHECK(timeout_or_mismatch(e));
     }
   }
   SECTION("operation: a failing call leaves the buffer as it was") {
@@ -340,11 +353,8 @@ TEST_CASE("mismatched counts and codecs over mpi are errors naming the peer, in 
         broadcast(g, std::span<float>(v), 0, topology::ring{}, c);
       }
     });
-    CHECK((e.code() == errc::timeout || e.code() == errc::mismatch));
-    if (me <= 1) {
-      CHECK(e.code() == errc::mismatch);
-      CHECK_THAT(e.what(), Catch::Contains("operation"));
-    }
+    CHECK(timeout_or_mismatch(e));
+    if (me <= 1) CHECK(is_or_relays(e, errc::mismatch, "operation"));
     CHECK(std::all_of(v.begin(), v.end(), [&](float x) { return x == static_cast<float>(me + 1); }));
   }
   MPI_Barrier(MPI_COMM_WORLD);
@@ -362,10 +372,10 @@ TEST_CASE("a rank that never calls makes the others time out over mpi, naming it
     const auto t0 = transport::clock::now();
     const error e = caught([&] { all_reduce(g, std::span<float>(v), topology::ring{}, c); });
     const auto took = transport::clock::now() - t0;
-    CHECK(e.code() == errc::timeout);
-    CHECK(took >= 900ms);
+    CHECK(is_or_relays(e, errc::timeout, ""));
+    CHECK(took >= 900ms);  // nobody gives up before its timeout
     CHECK(took < 6s);
-    if (me == 0) {  // rank 0 receives from rank n-1 first
+    if (me == 0 && e.code() == errc::timeout) {  // rank 0 receives from rank n-1 first
       CHECK(e.peer() == n - 1);
       CHECK_THAT(e.what(), Catch::Contains("it has not entered this collective"));
     }

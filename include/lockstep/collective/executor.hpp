@@ -305,6 +305,19 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
             codec.decode(sg.wire, sg.len, x + sg.lo);
           }
           t.release(v);
+        } else if constexpr (transport::viewing_transport<T>) {
+          // Reduce steps add from wherever the bytes arrived; other steps copy them into place
+          // (where a plain receive would have put them) unless they are there already.
+          auto v = t.wait_view(recv_reqs[k], deadline());
+          if (!v.data && sg.len) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+          if (reduce) {
+            codec.decode_add(v.data, sg.len, x + sg.lo);
+          } else {
+            void* dst = identity ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
+            if (static_cast<const void*>(v.data) != dst && sg.len) std::memcpy(dst, v.data, msg_bytes(sg.len));
+            if constexpr (!identity) codec.decode(sg.wire, sg.len, x + sg.lo);
+          }
+          t.release(v);
         } else {
           if (!t.wait(recv_reqs[k], deadline())) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
           if (reduce) codec.decode_add(sg.wire, sg.len, x + sg.lo);

@@ -20,6 +20,12 @@
 //   t.borrow(peer, tag, bytes, deadline) -> view   (view.data == nullptr: the deadline passed)
 //   t.release(view)                                the sender's request completes
 // so that decode-add reads the sender's buffer directly, with no copy in between.
+//
+// A viewing transport finishes a posted receive without its last copy:
+//   t.wait_view(req, deadline) -> view      the received bytes where they lie (view.data == nullptr
+//                                          with bytes > 0: the deadline passed)
+//   t.release(view)                         done reading them
+// (mpi: bytes from a peer on the same node are read in the shared ring they arrived in.)
 #pragma once
 
 #include <chrono>
@@ -52,6 +58,13 @@ concept borrowing_transport = transport<T> && requires(T& t, int peer, std::uint
                                                        std::size_t bytes, clock::time_point deadline,
                                                        typename T::view& v) {
   { t.borrow(peer, tag, bytes, deadline) } -> std::same_as<typename T::view>;
+  t.release(v);
+};
+
+template <class T>
+concept viewing_transport = transport<T> && requires(T& t, typename T::request& req, clock::time_point deadline,
+                                                     typename T::view& v) {
+  { t.wait_view(req, deadline) } -> std::same_as<typename T::view>;
   t.release(v);
 };
 

@@ -1,0 +1,189 @@
+// The mpi transport's shared-memory path (transport/shm.hpp) under mpirun -np 1..4, every rank on
+// one node: rings of every size relation to the message (wrapping, skipping to the start,
+// streaming through a ring smaller than the message), reading in place, tags received out of
+// order, withdrawn messages, and a failing rank waking the others.
+#include <lockstep/transport/mpi.hpp>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <vector>
+
+using namespace lockstep;
+using transport::mpi;
+using transport::mpi_options;
+using namespace std::chrono_literals;
+
+namespace {
+
+auto soon(std::chrono::milliseconds d = 20000ms) { return transport::clock::now() + d; }
+
+std::vector<std::uint8_t> pattern(int rank, std::size_t n, int salt) {
+  std::vector<std::uint8_t> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint8_t>(i * 131 + static_cast<std::size_t>(rank) * 7 + static_cast<std::size_t>(salt) * 29);
+  return v;
+}
+
+template <class F>
+error caught(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e;
+  }
+  return error(errc::transport, "nothing thrown", -1, -1, "");
+}
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("mpi reaches the ranks of its node through shared memory, unless told not to", "[mpi][shm]") {
+  if (world_size() == 1) return;
+  mpi t(MPI_COMM_WORLD);
+  if (const char* env = std::getenv("LOCKSTEP_MPI_SHM"); env && std::string(env) == "0") {
+    CHECK(t.shared_memory_peers() == 0);
+    CHECK(t.shared_memory_note() == "off (LOCKSTEP_MPI_SHM=0)");
+    return;
+  }
+  CHECK(t.shared_memory_peers() == t.size() - 1);
+  CHECK(t.shared_memory_note().empty());
+  mpi off(MPI_COMM_WORLD, mpi_options{false, 0});
+  CHECK(off.shared_memory_peers() == 0);
+  CHECK(off.shared_memory_note() == "off (mpi_options)");
+  // A split keeps its parent's options and sets up its own segment.
+  mpi sub = t.split(t.rank() % 2, t.rank(), soon());
+  CHECK(sub.shared_memory_peers() == sub.size() - 1);
+}
+
+TEST_CASE("mpi over shared memory moves messages of every size through rings of every size", "[mpi][shm]") {
+  const int n = world_size();
+  if (n == 1) return;
+  // 4 KiB rings: most messages wrap, skip to the start or stream through in pieces; 64 KiB and the
+  // default 2 MiB: most are read in place.
+  for (std::size_t ring : {std::size_t{4096}, std::size_t{64} << 10, std::size_t{0}}) {
+    mpi t(MPI_COMM_WORLD, mpi_options{true, ring});
+    const int next = (t.rank() + 1) % n, prev = (t.rank() + n - 1) % n;
+    INFO("ring bytes " << ring);
+    std::mt19937 gen(1234);  // the same sizes on every rank
+    std::uniform_int_distribution<std::size_t> size_of(0, ring ? 3 * ring : std::size_t{3} << 20);
+    for (int round = 0; round < 24; ++round) {
+      // Two messages on each of two tags, received by wait and by wait_view alternately.
+      std::vector<std::size_t> sizes;
+      for (int k = 0; k < 4; ++k) sizes.push_back(k == 0 && round % 5 == 0 ? 0 : size_of(gen));
+      std::vector<std::vector<std::uint8_t>> out, in;
+      std::vector<mpi::request> sends, recvs;
+      for (int k = 0; k < 4; ++k) {
+        out.push_back(pattern(t.rank(), sizes[static_cast<std::size_t>(k)], round * 4 + k));
+        in.emplace_back(sizes[static_cast<std::size_t>(k)], 0xee);
+      }
+      for (int k = 0; k < 4; ++k) recvs.push_back(t.irecv(prev, 40 + static_cast<std::uint32_t>(k % 2), in[static_cast<std::size_t>(k)].data(), in[static_cast<std::size_t>(k)].size()));
+      for (int k = 0; k < 4; ++k) sends.push_back(t.isend(next, 40 + static_cast<std::uint32_t>(k % 2), out[static_cast<std::size_t>(k)].data(), out[static_cast<std::size_t>(k)].size()));
+      for (int k = 0; k < 4; ++k) {
+        const auto& want = pattern(prev, sizes[static_cast<std::size_t>(k)], round * 4 + k);
+        INFO("round " << round << " message " << k << " of " << sizes[static_cast<std::size_t>(k)] << " bytes");
+        if ((round + k) % 2) {
+          REQUIRE(t.wait(recvs[static_cast<std::size_t>(k)], soon()));
+          CHECK(in[static_cast<std::size_t>(k)] == want);
+        } else {
+          auto v = t.wait_view(recvs[static_cast<std::size_t>(k)], soon());
+          REQUIRE((v.data || want.empty()));
+          REQUIRE(v.bytes == want.size());
+          CHECK(std::memcmp(v.data, want.data(), want.size()) == 0);
+          t.release(v);
+        }
+      }
+      for (auto& s : sends) REQUIRE(t.wait(s, soon()));
+    }
+  }
+}
+
+TEST_CASE("mpi over shared memory reads a message that fits the ring in place", "[mpi][shm]") {
+  const int n = world_size();
+  if (n == 1) return;
+  mpi t(MPI_COMM_WORLD);
+  if (t.shared_memory_peers() == 0) return;  // LOCKSTEP_MPI_SHM=0: the view is the receive's memory
+  const int next = (t.rank() + 1) % n, prev = (t.rank() + n - 1) % n;
+  const auto out = pattern(t.rank(), 256 << 10, 1);
+  std::vector<std::uint8_t> in(out.size());
+  auto r = t.irecv(prev, 7, in.data(), in.size());
+  auto s = t.isend(next, 7, out.data(), out.size());
+  REQUIRE(t.wait(s, soon()));  // complete at once: the bytes are in the peer's ring
+  auto v = t.wait_view(r, soon());
+  REQUIRE(v.data);
+  CHECK(static_cast<const void*>(v.data) != static_cast<const void*>(in.data()));  // never copied
+  CHECK(std::memcmp(v.data, pattern(prev, out.size(), 1).data(), out.size()) == 0);
+  t.release(v);
+}
+
+TEST_CASE("mpi over shared memory lets a receive for a later tag pass an earlier message", "[mpi][shm]") {
+  const int n = world_size();
+  if (n == 1) return;
+  mpi t(MPI_COMM_WORLD, mpi_options{true, 64 << 10});
+  const int next = (t.rank() + 1) % n, prev = (t.rank() + n - 1) % n;
+  const auto a = pattern(t.rank(), 100000, 2), b = pattern(t.rank(), 3000, 3);  // a is larger than the ring
+  auto sa = t.isend(next, 1, a.data(), a.size());
+  auto sb = t.isend(next, 2, b.data(), b.size());
+  std::vector<std::uint8_t> ia(a.size()), ib(b.size());
+  auto rb = t.irecv(prev, 2, ib.data(), ib.size());
+  REQUIRE(t.wait(rb, soon()));  // tag 1's message is set aside on the way
+  CHECK(ib == pattern(prev, b.size(), 3));
+  auto ra = t.irecv(prev, 1, ia.data(), ia.size());
+  REQUIRE(t.wait(ra, soon()));
+  CHECK(ia == pattern(prev, a.size(), 2));
+  REQUIRE(t.wait(sa, soon()));
+  REQUIRE(t.wait(sb, soon()));
+}
+
+TEST_CASE("mpi over shared memory: a withdrawn message is an error, and the ring goes on", "[mpi][shm]") {
+  const int n = world_size();
+  if (n == 1) return;
+  mpi t(MPI_COMM_WORLD, mpi_options{true, 64 << 10});
+  if (t.shared_memory_peers() == 0) return;  // MPI cannot withdraw a send (mpi.hpp, "Limits")
+  const int next = (t.rank() + 1) % n, prev = (t.rank() + n - 1) % n;
+  const auto big = pattern(t.rank(), 1 << 20, 4);
+  {
+    // Nobody receives yet: 64 KiB go into the ring, then the sender gives up.
+    auto s = t.isend(next, 5, big.data(), big.size());
+    CHECK_FALSE(t.wait(s, soon(100ms)));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<std::uint8_t> in(big.size());
+  auto r = t.irecv(prev, 5, in.data(), in.size());
+  std::uint8_t x = static_cast<std::uint8_t>(t.rank()), y = 0;
+  auto s2 = t.isend(next, 6, &x, 1);  // pushes the rest of the withdrawn message out as zeros
+  const error e = caught([&] { t.wait(r, soon()); });
+  CHECK(e.code() == errc::aborted);
+  CHECK(e.peer() == prev);
+  CHECK_THAT(e.what(), Catch::Contains("the peer withdrew this message midway"));
+  auto r2 = t.irecv(prev, 6, &y, 1);
+  REQUIRE(t.wait(r2, soon()));
+  REQUIRE(t.wait(s2, soon()));
+  CHECK(y == static_cast<std::uint8_t>(prev));
+}
+
+TEST_CASE("mpi over shared memory: a rank that fails wakes the others of its node at once", "[mpi][shm]") {
+  const int n = world_size();
+  if (n == 1) return;
+  mpi t(MPI_COMM_WORLD);
+  if (t.shared_memory_peers() == 0) return;  // LOCKSTEP_MPI_SHM=0: peers find out by their timeouts
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (t.rank() == 0) {
+    t.abort("rank 0 gave up on purpose");
+  } else {
+    int x = 0;
+    auto r = t.irecv(0, 9, &x, sizeof x);  // rank 0 never sends it
+    const auto t0 = transport::clock::now();
+    const error e = caught([&] { t.wait(r, soon(20000ms)); });
+    CHECK(transport::clock::now() - t0 < 5s);
+    CHECK(e.code() == errc::aborted);
+    CHECK(e.rank() == t.rank());
+    CHECK_THAT(e.what(), Catch::Contains("rank 0 failed: rank 0 gave up on purpose"));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
