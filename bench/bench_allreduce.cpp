@@ -200,7 +200,7 @@ double sanity_bound(const std::string& codec) {
 }
 bool check_failed = false;
 // Keys every lockstep row of this run carries besides the standard ones (over mpi: "shm_peers",
-// how many peers the shared-memory path reached).
+// how many peers the shared-memory path reached, and "shm_by_reference").
 std::string extra_keys;
 
 // segment: the transport's pipelining unit these rows ran with (recorded on lockstep's rows, so
@@ -363,14 +363,15 @@ int run_mpi_bench(const options& o, int* argc, char*** argv) {
   const transport::mpi peer(MPI_COMM_WORLD, transport::mpi_options{false, 0});
   const MPI_Comm comm = peer.comm();
   const int shm_peers = g.transport().shared_memory_peers();
-  extra_keys = ",\"shm_peers\":" + std::to_string(shm_peers);
+  extra_keys = ",\"shm_peers\":" + std::to_string(shm_peers) + ",\"shm_by_reference\":" + (g.transport().by_reference() ? "true" : "false");
   if (o.ranks && o.ranks != g.size()) {
     if (g.rank() == 0)
       std::fprintf(stderr, "lockstep-bench-allreduce: --ranks %d, but the MPI job has %d ranks\n", o.ranks, g.size());
     return 2;
   }
   if (g.rank() == 0)
-    print_header(o, g.size(), shm_peers ? "mpi (" + std::to_string(shm_peers) + " peers of rank 0 through shared memory)"
+    print_header(o, g.size(), shm_peers ? "mpi (" + std::to_string(shm_peers) + " peers of rank 0 through shared memory" +
+                                              (g.transport().by_reference() ? ", by reference from 64 KiB)" : ")")
                                         : "mpi (shared memory " + g.transport().shared_memory_note() + ")");
   rank_sync sync;
   sync.barrier = [comm] { MPI_Barrier(comm); };

@@ -47,13 +47,19 @@ TEST_CASE("mpi reaches the ranks of its node through shared memory, unless told 
   if (world_size() == 1) return;
   mpi t(MPI_COMM_WORLD);
   if (const char* env = std::getenv("LOCKSTEP_MPI_SHM"); env && std::string(env) == "0") {
+    CHECK_FALSE(t.by_reference());
     CHECK(t.shared_memory_peers() == 0);
     CHECK(t.shared_memory_note() == "off (LOCKSTEP_MPI_SHM=0)");
     return;
   }
   CHECK(t.shared_memory_peers() == t.size() - 1);
+  // This machine lets a process read its sibling's memory (Open MPI's CMA relies on it too).
+  CHECK(t.by_reference());
   CHECK(t.shared_memory_note().empty());
-  mpi off(MPI_COMM_WORLD, mpi_options{false, 0});
+  mpi copies(MPI_COMM_WORLD, mpi_options{true, 0, false});
+  CHECK_FALSE(copies.by_reference());
+  CHECK(copies.shared_memory_note() == "on, without by-reference sends (off by request)");
+  mpi off(MPI_COMM_WORLD, mpi_options{false, 0, true});
   CHECK(off.shared_memory_peers() == 0);
   CHECK(off.shared_memory_note() == "off (mpi_options)");
   // A split keeps its parent's options and sets up its own segment.
@@ -83,7 +89,13 @@ TEST_CASE("mpi over shared memory moves messages of every size through rings of 
         in.emplace_back(sizes[static_cast<std::size_t>(k)], 0xee);
       }
       for (int k = 0; k < 4; ++k) recvs.push_back(t.irecv(prev, 40 + static_cast<std::uint32_t>(k % 2), in[static_cast<std::size_t>(k)].data(), in[static_cast<std::size_t>(k)].size()));
-      for (int k = 0; k < 4; ++k) sends.push_back(t.isend(next, 40 + static_cast<std::uint32_t>(k % 2), out[static_cast<std::size_t>(k)].data(), out[static_cast<std::size_t>(k)].size()));
+      // Every other send in place: from 64 KiB on the receiver reads it from this process, in the
+      // same order as the others on its tag.
+      for (int k = 0; k < 4; ++k) {
+        const auto tag = 40 + static_cast<std::uint32_t>(k % 2);
+        auto& o = out[static_cast<std::size_t>(k)];
+        sends.push_back((round + k / 2) % 2 ? t.isend_in_place(next, tag, o.data(), o.size()) : t.isend(next, tag, o.data(), o.size()));
+      }
       for (int k = 0; k < 4; ++k) {
         const auto& want = pattern(prev, sizes[static_cast<std::size_t>(k)], round * 4 + k);
         INFO("round " << round << " message " << k << " of " << sizes[static_cast<std::size_t>(k)] << " bytes");
@@ -146,13 +158,17 @@ TEST_CASE("mpi over shared memory: a withdrawn message is an error, and the ring
   mpi t(MPI_COMM_WORLD, mpi_options{true, 64 << 10});
   if (t.shared_memory_peers() == 0) return;  // MPI cannot withdraw a send (mpi.hpp, "Limits")
   const int next = (t.rank() + 1) % n, prev = (t.rank() + n - 1) % n;
-  const auto big = pattern(t.rank(), 1 << 20, 4);
+  const bool in_place = GENERATE(false, true);
+  INFO((in_place ? "by reference" : "through the ring"));
   {
-    // Nobody receives yet: 64 KiB go into the ring, then the sender gives up.
-    auto s = t.isend(next, 5, big.data(), big.size());
+    // Nobody receives yet: 64 KiB go into the ring (or the address does), then the sender gives
+    // up and frees the bytes.
+    const auto big = pattern(t.rank(), 1 << 20, 4);
+    auto s = in_place ? t.isend_in_place(next, 5, big.data(), big.size()) : t.isend(next, 5, big.data(), big.size());
     CHECK_FALSE(t.wait(s, soon(100ms)));
   }
   MPI_Barrier(MPI_COMM_WORLD);
+  const std::vector<std::uint8_t> big(std::size_t{1} << 20);
   std::vector<std::uint8_t> in(big.size());
   auto r = t.irecv(prev, 5, in.data(), in.size());
   std::uint8_t x = static_cast<std::uint8_t>(t.rank()), y = 0;

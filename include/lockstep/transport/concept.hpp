@@ -26,6 +26,9 @@
 //                                          with bytes > 0: the deadline passed)
 //   t.release(view)                         done reading them
 // (mpi: bytes from a peer on the same node are read in the shared ring they arrived in.)
+// It may also take a hint for sends whose bytes stay unchanged until they complete and that the
+// receiver will copy, not add (an all-gather's): t.isend_in_place(peer, tag, data, bytes), a
+// request like isend's (mpi: the receiver on the same node copies them out of this process).
 #pragma once
 
 #include <chrono>

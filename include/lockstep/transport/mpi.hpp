@@ -164,6 +164,10 @@ struct mpi_options {
   // Bytes of each ring (one per ordered pair of local ranks); 0: two 1 MiB segments, less where
   // the node has so many ranks that the rings would pass 64 MiB in all (never below 64 KiB).
   std::size_t ring_bytes = 0;
+  // Large sends the receiver copies (isend_in_place) go by reference: the receiver reads them from
+  // the sender's memory with process_vm_readv, where Linux allows it (checked at set-up). Off, or
+  // LOCKSTEP_MPI_CMA=0: every byte goes through the rings.
+  bool by_reference = true;
 };
 
 namespace detail {
@@ -241,6 +245,17 @@ inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   }
   s.shm = std::make_unique<shm_endpoint>(std::move(seg), lay, me, names);
   for (int i = 0; i < local; ++i) s.local_of[static_cast<std::size_t>(names[static_cast<std::size_t>(i)])] = i;
+  const char* cma_env = std::getenv("LOCKSTEP_MPI_CMA");
+  if (opt.by_reference && !(cma_env && std::string(cma_env) == "0")) {
+    s.shm->publish_identity();
+    MPI_Barrier(node);
+    int can = s.shm->can_read_next() ? 1 : 0, all_can = 0;
+    MPI_Allreduce(&can, &all_can, 1, MPI_INT, MPI_MIN, node);
+    s.shm->set_by_reference(all_can != 0);
+    if (!all_can) s.shm_note = "on, without by-reference sends (process_vm_readv not allowed here)";
+  } else {
+    s.shm_note = "on, without by-reference sends (off by request)";
+  }
 }
 
 }  // namespace detail
@@ -387,6 +402,8 @@ class mpi {
   MPI_Comm comm() const noexcept { return s_ ? s_->comm : MPI_COMM_NULL; }
   // How many peers this endpoint reaches through shared memory, and why none when none.
   int shared_memory_peers() const noexcept { return s_ && s_->shm ? s_->shm->ranks() - 1 : 0; }
+  bool by_reference() const noexcept { return s_ && s_->shm && s_->shm->by_reference(); }
+  // Why shared memory (or its by-reference sends) is off; empty when all is on.
   std::string shared_memory_note() const { return s_ ? s_->shm_note : std::string("not connected"); }
 
   request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
@@ -405,6 +422,21 @@ class mpi {
     r.peer_ = peer;
     r.done_ = false;
     return r;
+  }
+
+  // isend for bytes that stay unchanged until the send completes and that the receiver copies
+  // rather than adds: to a peer on this node a large one goes by reference (mpi_options).
+  request isend_in_place(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
+    check(peer, tag, bytes, "send");
+    if (const int local = local_of(peer); local >= 0) {
+      request r;
+      r.ssend_ = s_->shm->post_send(local, tag, data, bytes, true);
+      r.s_ = s_;
+      r.peer_ = peer;
+      r.done_ = false;
+      return r;
+    }
+    return isend(peer, tag, data, bytes);
   }
 
   // Posts a receive of exactly `bytes`; the next message from `peer` with `tag` that no earlier

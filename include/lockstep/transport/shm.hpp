@@ -27,6 +27,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #ifdef __linux__
 #include <linux/futex.h>
@@ -130,12 +131,16 @@ struct alignas(64) shm_rank_block {
   std::atomic<std::uint32_t> doorbell;  // bumped by anything this rank may be waiting for
   std::atomic<std::uint32_t> sleepers;  // threads of this rank asleep on the doorbell
   std::atomic<std::uint32_t> failed;    // this rank aborted the group; reason below
-  char reason[500];
+  std::atomic<std::int32_t> pid;        // for process_vm_readv of its by-reference sends
+  std::atomic<std::uint64_t> probe;     // address of a word in its memory (the set-up's check)
+  char reason[488];
 };
 
 struct shm_ring_control {
-  alignas(64) std::atomic<std::uint64_t> head;  // bytes ever written (the producer's)
-  alignas(64) std::atomic<std::uint64_t> tail;  // bytes ever consumed (the consumer's)
+  alignas(64) std::atomic<std::uint64_t> head;     // bytes ever written (the producer's)
+  std::atomic<std::uint64_t> revoked;              // by-reference sends withdrawn up to this number
+  alignas(64) std::atomic<std::uint64_t> tail;     // bytes ever consumed (the consumer's)
+  std::atomic<std::uint64_t> acked;                // by-reference sends read up to this number
 };
 
 // Sizes and offsets of a segment for `ranks` local ranks with rings of `capacity` bytes.
@@ -163,6 +168,8 @@ struct shm_send {
   std::size_t bytes = 0;
   std::size_t sent = 0;  // payload bytes written
   std::uint32_t tag = 0;
+  bool by_ref = false;       // only its address goes into the ring; the receiver reads it (CMA)
+  std::uint64_t ref_seq = 0; // its number among this ring's by-reference sends
   bool framed = false;
   bool withdrawn = false;
   bool done = false;     // whole payload in the ring: the sender's memory is free
@@ -189,6 +196,12 @@ class shm_endpoint {
   // The rest of the ring up to its end is unused: a message that fits the ring starts at its
   // beginning instead of wrapping, so that the receiver can read it in place.
   static constexpr std::uint32_t skip_magic = 0x4c4b534b;  // "LKSK"
+  // A by-reference message: the frame, then {address, number}; the receiver copies the bytes out
+  // of the sender's memory (process_vm_readv) and acknowledges the number.
+  static constexpr std::uint32_t ref_magic = 0x4c4b5352;  // "LKSR"
+  struct ref_record {
+    std::uint64_t addr, seq;
+  };
   static constexpr std::size_t pad8(std::size_t b) { return (b + 7) / 8 * 8; }
   static constexpr std::uint64_t trailer_whole = 0x57484f4c45ull, trailer_withdrawn = 0x5749544844ull;
   struct frame {
@@ -204,12 +217,18 @@ class shm_endpoint {
   int ranks() const noexcept { return lay_.ranks; }
   std::size_t capacity() const noexcept { return lay_.capacity; }
 
-  // Queues a send to local rank `to` and writes what fits now.
-  std::shared_ptr<shm_send> post_send(int to, std::uint32_t tag, const void* data, std::size_t bytes) {
+  // Queues a send to local rank `to` and writes what fits now. in_place: the caller keeps the bytes
+  // unchanged until the send completes, and the receiver will copy them, not add them: from
+  // ref_min_bytes on (and where the set-up found process_vm_readv allowed) only their address goes
+  // into the ring and the receiver copies them straight from this process, one copy instead of
+  // two; the send then completes when the receiver has read them.
+  static constexpr std::size_t ref_min_bytes = std::size_t{64} << 10;
+  std::shared_ptr<shm_send> post_send(int to, std::uint32_t tag, const void* data, std::size_t bytes, bool in_place = false) {
     auto s = std::make_shared<shm_send>();
     s->data = static_cast<const std::byte*>(data);
     s->bytes = bytes;
     s->tag = tag;
+    s->by_ref = in_place && cma_ && bytes >= ref_min_bytes;
     std::lock_guard lk(m_);
     out_[static_cast<std::size_t>(to)].q.push_back(s);
     pump(to);
@@ -270,6 +289,14 @@ class shm_endpoint {
     std::lock_guard lk(m_);
     if (s->done) return;
     auto& q = out_[static_cast<std::size_t>(to)].q;
+    if (s->by_ref && s->framed) {
+      // The receiver checks this before and after it reads, so it never hands out bytes read
+      // from memory the sender may have freed (it reports the message withdrawn instead).
+      auto& c = control(local_, to);
+      c.revoked.store(std::max(c.revoked.load(std::memory_order_relaxed), s->ref_seq), std::memory_order_seq_cst);
+      s->done = true;
+      return;
+    }
     if (!s->framed) {
       q.erase(std::remove(q.begin(), q.end(), s), q.end());
       s->done = true;
@@ -333,6 +360,24 @@ class shm_endpoint {
     }
   }
 
+  // Set-up of by-reference sends (collective over the node, with a barrier between the two
+  // calls): publish this process, then read a word of the next local rank's memory. Linux may
+  // forbid it (Yama ptrace_scope, containers); set_by_reference(false) then keeps every byte in
+  // the rings.
+  void publish_identity() {
+    static const std::uint64_t probe_word = 0x4c4f434b53544550ull;  // "LOCKSTEP"
+    block(local_).pid.store(static_cast<std::int32_t>(getpid()), std::memory_order_relaxed);
+    block(local_).probe.store(reinterpret_cast<std::uintptr_t>(&probe_word), std::memory_order_release);
+  }
+  bool can_read_next() const {
+    const int p = (local_ + 1) % lay_.ranks;
+    std::uint64_t got = 0;
+    const std::uint64_t addr = block(p).probe.load(std::memory_order_acquire);
+    return read_peer(p, &got, addr, sizeof got) && got == 0x4c4f434b53544550ull;
+  }
+  void set_by_reference(bool on) { cma_ = on; }
+  bool by_reference() const noexcept { return cma_; }
+
  private:
   struct unexpected_msg {
     std::uint32_t tag = 0;
@@ -342,6 +387,8 @@ class shm_endpoint {
   };
   struct outgoing {
     std::deque<std::shared_ptr<shm_send>> q;
+    std::deque<std::shared_ptr<shm_send>> reading;  // by-reference sends the receiver has not read
+    std::uint64_t ref_seq = 0;
     bool trailer_due = false;
     std::size_t pad = 0;  // bytes after the payload that keep positions 8-aligned
     std::uint64_t trailer = 0;
@@ -358,6 +405,18 @@ class shm_endpoint {
   };
 
   shm_rank_block& block(int r) const { return reinterpret_cast<shm_rank_block*>(seg_->base())[r]; }
+  // Copies `bytes` at `addr` in local rank p's memory into `dst`.
+  bool read_peer(int p, void* dst, std::uint64_t addr, std::size_t bytes) const {
+    std::size_t done = 0;
+    while (done < bytes) {
+      iovec local{static_cast<std::byte*>(dst) + done, bytes - done};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr + done)), bytes - done};
+      const ssize_t n = process_vm_readv(block(p).pid.load(std::memory_order_relaxed), &local, 1, &remote, 1, 0);
+      if (n <= 0) return false;
+      done += static_cast<std::size_t>(n);
+    }
+    return true;
+  }
   shm_ring_control& control(int from, int to) const {
     return *reinterpret_cast<shm_ring_control*>(seg_->base() + lay_.ring_offset(from, to));
   }
@@ -391,8 +450,15 @@ class shm_endpoint {
   // multiples of 8 (frame 16, payload padded, trailer 8).
   bool pump(int to) {
     auto& o = out_[static_cast<std::size_t>(to)];
-    if (o.q.empty() && !o.trailer_due) return false;
     auto& c = control(local_, to);
+    if (!o.reading.empty()) {  // acknowledged by-reference sends are complete (in ring order)
+      const std::uint64_t acked = c.acked.load(std::memory_order_acquire);
+      while (!o.reading.empty() && o.reading.front()->ref_seq <= acked) {
+        o.reading.front()->done = true;
+        o.reading.pop_front();
+      }
+    }
+    if (o.q.empty() && !o.trailer_due) return false;
     std::byte* d = data(local_, to);
     const std::size_t cap = lay_.capacity;
     std::uint64_t head = c.head.load(std::memory_order_relaxed);
@@ -412,7 +478,7 @@ class shm_endpoint {
       shm_send& s = *o.q.front();
       if (!s.framed) {
         const std::size_t to_end = cap - static_cast<std::size_t>(head % cap);
-        const std::size_t total = sizeof(frame) + pad8(s.bytes) + sizeof(std::uint64_t);
+        const std::size_t total = s.by_ref ? sizeof(frame) + sizeof(ref_record) : sizeof(frame) + pad8(s.bytes) + sizeof(std::uint64_t);
         if (to_end < sizeof(frame) || (total <= cap && total > to_end)) {
           if (room() < to_end) break;
           if (to_end >= sizeof(frame)) {
@@ -420,6 +486,19 @@ class shm_endpoint {
             put(d, head, reinterpret_cast<const std::byte*>(&k), sizeof k);
           }
           head += to_end;
+          continue;
+        }
+        if (s.by_ref) {
+          if (room() < total) break;
+          const frame f{ref_magic, s.tag, s.bytes};
+          const ref_record rr{reinterpret_cast<std::uintptr_t>(s.data), ++o.ref_seq};
+          put(d, head, reinterpret_cast<const std::byte*>(&f), sizeof f);
+          put(d, head + sizeof f, reinterpret_cast<const std::byte*>(&rr), sizeof rr);
+          head += total;
+          s.framed = true;
+          s.ref_seq = rr.seq;
+          o.reading.push_back(o.q.front());
+          o.q.pop_front();
           continue;
         }
         if (room() < sizeof(frame)) break;
@@ -472,9 +551,11 @@ class shm_endpoint {
           tail += to_end;
           continue;
         }
-        if (f.magic != frame_magic)
+        if (f.magic != frame_magic && f.magic != ref_magic)
           throw error(errc::transport, "recv", names_[static_cast<std::size_t>(local_)], names_[static_cast<std::size_t>(from)],
                       "shared-memory ring corrupt (no message frame where one was due)");
+        const bool ref = f.magic == ref_magic;
+        if (ref && head - tail < sizeof(frame) + sizeof(ref_record)) break;  // written at once; not yet
         auto it = posted_.find({from, f.tag});
         if (it != posted_.end()) {
           in.target = it->second.front();
@@ -501,6 +582,23 @@ class shm_endpoint {
         in.got = 0;
         in.active = true;
         in.held = false;
+        if (ref) {
+          ref_record rr;
+          get(d, tail, reinterpret_cast<std::byte*>(&rr), sizeof rr);
+          tail += sizeof rr;
+          // Read only what the sender has not withdrawn, and keep nothing read while it withdrew.
+          bool withdrawn = c.revoked.load(std::memory_order_seq_cst) >= rr.seq;
+          if (!withdrawn && in.sink && f.bytes) {
+            const bool ok = read_peer(from, in.sink, rr.addr, f.bytes);
+            withdrawn = c.revoked.load(std::memory_order_seq_cst) >= rr.seq;
+            if (!ok && !withdrawn)
+              throw error(errc::transport, "recv", names_[static_cast<std::size_t>(local_)], names_[static_cast<std::size_t>(from)],
+                          std::string("process_vm_readv of a ") + std::to_string(f.bytes) + "-byte message: " + std::strerror(errno));
+          }
+          c.acked.store(rr.seq, std::memory_order_release);
+          finish(in, withdrawn);
+          continue;
+        }
       }
       const std::size_t body = pad8(in.f.bytes);
       if (in.target && in.sink && in.got == 0 && sizeof(frame) + body + sizeof(std::uint64_t) <= cap) {
@@ -529,31 +627,35 @@ class shm_endpoint {
       std::uint64_t trailer = 0;
       get(d, tail, reinterpret_cast<std::byte*>(&trailer), sizeof trailer);
       tail += sizeof trailer;
-      const bool withdrawn = trailer != trailer_whole;
-      if (in.target) {
-        in.target->withdrawn = withdrawn;
-        in.target->done = true;
-      }
-      if (in.aside) {
-        in.aside->complete = true;
-        in.aside->withdrawn = withdrawn;
-        auto& un = in.unexpected;
-        if (withdrawn && !in.aside->claimed) {
-          un.erase(std::remove(un.begin(), un.end(), in.aside), un.end());
-        } else if (in.aside->claimed) {
-          deliver(*in.aside, *in.aside->claimed);
-          un.erase(std::remove(un.begin(), un.end(), in.aside), un.end());
-        }
-      }
-      in.active = false;
-      in.target = nullptr;
-      in.aside = nullptr;
-      in.sink = nullptr;
+      finish(in, trailer != trailer_whole);
     }
     if (tail == start) return false;
     c.tail.store(tail, std::memory_order_release);
     ring(from);
     return true;
+  }
+
+  // The message being read is complete: its receive is done, or it waits aside. Lock held.
+  static void finish(incoming& in, bool withdrawn) {
+    if (in.target) {
+      in.target->withdrawn = withdrawn;
+      in.target->done = true;
+    }
+    if (in.aside) {
+      in.aside->complete = true;
+      in.aside->withdrawn = withdrawn;
+      auto& un = in.unexpected;
+      if (withdrawn && !in.aside->claimed) {
+        un.erase(std::remove(un.begin(), un.end(), in.aside), un.end());
+      } else if (in.aside->claimed) {
+        deliver(*in.aside, *in.aside->claimed);
+        un.erase(std::remove(un.begin(), un.end(), in.aside), un.end());
+      }
+    }
+    in.active = false;
+    in.target = nullptr;
+    in.aside = nullptr;
+    in.sink = nullptr;
   }
 
   // Frees the room of the message held in the ring from `from`; its receive is done. Lock held.
@@ -589,6 +691,7 @@ class shm_endpoint {
   std::vector<incoming> in_;
   std::map<std::pair<int, std::uint32_t>, std::deque<std::shared_ptr<shm_recv>>> posted_;
   std::vector<std::size_t> posted_count_;  // posted receives per local peer
+  bool cma_ = false;
 };
 
 }  // namespace lockstep::transport::detail
