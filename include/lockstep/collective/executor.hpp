@@ -309,7 +309,7 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
           // Reduce steps add from wherever the bytes arrived; other steps copy them into place
           // (where a plain receive would have put them) unless they are there already.
           auto v = t.wait_view(recv_reqs[k], deadline());
-          if (!v.data && sg.len) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+          if (!v.ok) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
           if (reduce) {
             codec.decode_add(v.data, sg.len, x + sg.lo);
           } else {

@@ -22,8 +22,8 @@
 // so that decode-add reads the sender's buffer directly, with no copy in between.
 //
 // A viewing transport finishes a posted receive without its last copy:
-//   t.wait_view(req, deadline) -> view      the received bytes where they lie (view.data == nullptr
-//                                          with bytes > 0: the deadline passed)
+//   t.wait_view(req, deadline) -> view      the received bytes where they lie (view.data, .bytes;
+//                                          view.ok == false: the deadline passed)
 //   t.release(view)                         done reading them
 // (mpi: bytes from a peer on the same node are read in the shared ring they arrived in.)
 // It may also take a hint for sends whose bytes stay unchanged until they complete and that the

@@ -173,29 +173,37 @@ struct mpi_options {
 namespace detail {
 
 inline std::size_t shm_ring_bytes(const mpi_options& opt, int local_ranks) {
-  if (opt.ring_bytes) return std::max<std::size_t>(opt.ring_bytes, 4096);
+  if (opt.ring_bytes) return std::max<std::size_t>((opt.ring_bytes + 4095) / 4096 * 4096, 4096);
   const std::size_t pairs = static_cast<std::size_t>(local_ranks) * static_cast<std::size_t>(local_ranks - 1);
   const std::size_t budget = (std::size_t{64} << 20) / pairs / 4096 * 4096;
   return std::clamp<std::size_t>(budget, std::size_t{64} << 10, std::size_t{2} << 20);
 }
 
-// Collective over s.comm: finds the ranks on this node and maps one segment among them. When that
-// is not possible (a single local rank, no /dev/shm room) every peer stays with MPI and shm_note
-// says why.
+// Collective over s.comm: finds the ranks on this node and maps one segment among them. Every
+// choice is agreed (the group's ranks could be given different options or environments): shared
+// memory is on only if every rank asks for it, the ring size is the node's first rank's, and
+// by-reference sends are on only if every local rank asks for them and can read its neighbour.
+// When the segment cannot be made (no /dev/shm room, say), every peer stays with MPI and
+// shm_note says why.
 inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   s.local_of.assign(static_cast<std::size_t>(s.size), -1);
-  const char* env = std::getenv("LOCKSTEP_MPI_SHM");
-  if (!opt.shared_memory || (env && std::string(env) == "0")) {
-    s.shm_note = opt.shared_memory ? "off (LOCKSTEP_MPI_SHM=0)" : "off (mpi_options)";
-    return;
-  }
+  auto must = [&](int rc, const char* what) {
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", s.rank, -1, std::string(what) + ": " + mpi_error_text(rc));
+  };
   if (s.size == 1) {
     s.shm_note = "off (one rank)";
     return;
   }
+  const char* env = std::getenv("LOCKSTEP_MPI_SHM");
+  const bool env_off = env && std::string(env) == "0";
+  int want = opt.shared_memory && !env_off ? 1 : 0, all_want = 0;
+  must(MPI_Allreduce(&want, &all_want, 1, MPI_INT, MPI_MIN, s.comm), "MPI_Allreduce");
+  if (!all_want) {
+    s.shm_note = !want ? (env_off ? "off (LOCKSTEP_MPI_SHM=0)" : "off (mpi_options)") : "off (another rank of the group turned it off)";
+    return;
+  }
   MPI_Comm node = MPI_COMM_NULL;
-  int rc = MPI_Comm_split_type(s.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-  if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", s.rank, -1, "MPI_Comm_split_type: " + mpi_error_text(rc));
+  must(MPI_Comm_split_type(s.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
   struct free_on_exit {
     MPI_Comm* c;
     ~free_on_exit() { MPI_Comm_free(c); }
@@ -204,41 +212,49 @@ inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   MPI_Comm_size(node, &local);
   MPI_Comm_rank(node, &me);
   std::vector<int> names(static_cast<std::size_t>(local));
-  MPI_Allgather(&s.rank, 1, MPI_INT, names.data(), 1, MPI_INT, node);
+  must(MPI_Allgather(&s.rank, 1, MPI_INT, names.data(), 1, MPI_INT, node), "MPI_Allgather");
   s.remote = local < s.size;
   if (local == 1) {
     s.shm_note = "off (no other rank on this node)";
     return;
   }
-  const shm_layout lay{local, shm_ring_bytes(opt, local)};
-  // The first local rank creates the segment and says its name, or why it could not.
+  // The first local rank creates the segment and says its ring size and name, or why it could not.
   auto seg = std::make_shared<shm_segment>();
   std::array<char, 512> msg{};
   static std::atomic<unsigned> made{0};
   if (me == 0) {
-    std::string why;
-    std::string name;
+    const shm_layout lay{local, shm_ring_bytes(opt, local)};
+    std::string why, name;
     for (int attempt = 0; attempt < 8; ++attempt) {
       name = "/lockstep-" + std::to_string(getpid()) + "-" + std::to_string(made++);
-      why = seg->create(name, lay.total());
-      if (why.empty() || why.find("File exists") == std::string::npos) break;
+      bool exists = false;
+      why = seg->create(name, lay.total(), &exists);
+      if (why.empty() || !exists) break;
     }
     if (why.empty()) {
-      for (int r = 0; r < local; ++r) new (seg->base() + r * sizeof(shm_rank_block)) shm_rank_block{};
+      for (int r = 0; r < local; ++r) new (seg->base() + static_cast<std::size_t>(r) * sizeof(shm_rank_block)) shm_rank_block{};
       for (int a = 0; a < local; ++a)
         for (int b = 0; b < local; ++b)
           if (a != b) new (seg->base() + lay.ring_offset(a, b)) shm_ring_control{};
     }
-    const std::string out = why.empty() ? "+" + name : "-" + why;
+    const std::string out = why.empty() ? "+" + std::to_string(lay.capacity) + " " + name : "-" + why;
     std::memcpy(msg.data(), out.data(), std::min(out.size(), msg.size() - 1));
   }
-  MPI_Bcast(msg.data(), static_cast<int>(msg.size()), MPI_CHAR, 0, node);
-  std::string text(msg.data());
-  std::string why = text.empty() || text[0] != '+' ? text.substr(std::min<std::size_t>(1, text.size())) : std::string{};
-  if (me != 0 && why.empty()) why = seg->open(text.substr(1), lay.total());
+  must(MPI_Bcast(msg.data(), static_cast<int>(msg.size()), MPI_CHAR, 0, node), "MPI_Bcast");
+  const std::string text(msg.data());
+  const bool made_it = !text.empty() && text[0] == '+';
+  std::string why = made_it ? std::string{} : text.substr(std::min<std::size_t>(1, text.size()));
+  shm_layout lay{local, 0};
+  std::string name;
+  if (made_it) {
+    const auto space = text.find(' ');
+    lay.capacity = static_cast<std::size_t>(std::stoull(text.substr(1, space - 1)));
+    name = text.substr(space + 1);
+    if (me != 0) why = seg->open(name, lay.total());
+  }
   int ok = why.empty() ? 1 : 0, all_ok = 0;
-  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, node);
-  if (me == 0 && text[0] == '+') shm_segment::unlink(text.substr(1));  // mapped by all who could
+  must(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
+  if (me == 0 && made_it) shm_segment::unlink(name);  // mapped by all who could
   if (!all_ok) {
     s.shm_note = "off (" + (why.empty() ? std::string("another rank of this node could not map the segment") : why) + ")";
     return;
@@ -246,16 +262,15 @@ inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   s.shm = std::make_unique<shm_endpoint>(std::move(seg), lay, me, names);
   for (int i = 0; i < local; ++i) s.local_of[static_cast<std::size_t>(names[static_cast<std::size_t>(i)])] = i;
   const char* cma_env = std::getenv("LOCKSTEP_MPI_CMA");
-  if (opt.by_reference && !(cma_env && std::string(cma_env) == "0")) {
-    s.shm->publish_identity();
-    MPI_Barrier(node);
-    int can = s.shm->can_read_next() ? 1 : 0, all_can = 0;
-    MPI_Allreduce(&can, &all_can, 1, MPI_INT, MPI_MIN, node);
-    s.shm->set_by_reference(all_can != 0);
-    if (!all_can) s.shm_note = "on, without by-reference sends (process_vm_readv not allowed here)";
-  } else {
-    s.shm_note = "on, without by-reference sends (off by request)";
-  }
+  const bool ref_wanted = opt.by_reference && !(cma_env && std::string(cma_env) == "0");
+  s.shm->publish_identity();
+  must(MPI_Barrier(node), "MPI_Barrier");
+  int can = ref_wanted && s.shm->can_read_next() ? 1 : 0, all_can = 0;
+  must(MPI_Allreduce(&can, &all_can, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
+  s.shm->set_by_reference(all_can != 0);
+  if (!all_can)
+    s.shm_note = ref_wanted ? "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)"
+                            : "on, without by-reference sends (off by request)";
 }
 
 }  // namespace detail
@@ -341,7 +356,6 @@ class mpi {
     friend class mpi;
 
     void release() noexcept {
-      if (srecv_ && srecv_->in_ring) s_->shm->take(srecv_, false);  // a view nobody released
       if (done_ || !s_) return;
       done_ = true;
       if (ssend_ || srecv_) {
@@ -500,34 +514,68 @@ class mpi {
 
   // What a finished receive holds: its bytes where they are, in the receive's own memory or, from
   // a peer on this node, still in the shared ring (read them there, then release()).
-  struct view {
+  // A finished receive's bytes (ok == false: the deadline passed first). Move-only: a view of a
+  // message in the ring holds that ring until it is released or destroyed.
+  class view {
+   public:
     const std::byte* data = nullptr;
     std::size_t bytes = 0;
-    std::shared_ptr<detail::shm_recv> held;
-    std::shared_ptr<detail::mpi_comm_state> s;
+    bool ok = false;
+
+    view() = default;
+    view(const std::byte* d, std::size_t b, bool k) : data(d), bytes(b), ok(k) {}
+    view(view&& o) noexcept { *this = std::move(o); }
+    view& operator=(view&& o) noexcept {
+      if (this != &o) {
+        reset();
+        data = std::exchange(o.data, nullptr);
+        bytes = std::exchange(o.bytes, 0);
+        ok = std::exchange(o.ok, false);
+        held_ = std::move(o.held_);
+        s_ = std::move(o.s_);
+      }
+      return *this;
+    }
+    view(const view&) = delete;
+    view& operator=(const view&) = delete;
+    ~view() { reset(); }
+
+    void reset() noexcept {
+      if (held_ && s_ && s_->shm) s_->shm->release_view(held_);
+      held_ = nullptr;
+      s_ = nullptr;
+      data = nullptr;
+      bytes = 0;
+      ok = false;
+    }
+
+   private:
+    friend class mpi;
+    std::shared_ptr<detail::shm_recv> held_;
+    std::shared_ptr<detail::mpi_comm_state> s_;
   };
 
-  // wait() for a receive without the last copy: the view is the received bytes (data == nullptr
-  // with bytes > 0: the deadline passed). Errors as wait().
+  // wait() for a receive without the last copy: the view is the received bytes, from a peer on
+  // this node read in the ring they arrived in. Errors as wait().
   view wait_view(request& r, clock::time_point deadline) {
     if (r.srecv_ && !r.done_) {
       throw_if_aborted("recv", r.peer_);
-      if (!wait_local(r, deadline, "recv", true)) return view{nullptr, r.srecv_->bytes, nullptr, nullptr};
-      if (r.srecv_->in_ring) {
+      if (!wait_local(r, deadline, "recv", true)) return view{nullptr, r.srecv_->bytes, false};
+      if (const std::byte* in_ring = r.srecv_->in_ring.load(std::memory_order_acquire)) {
         r.done_ = true;
-        return view{r.srecv_->in_ring, r.srecv_->bytes, r.srecv_, s_};
+        view v{in_ring, r.srecv_->bytes, true};
+        v.held_ = r.srecv_;
+        v.s_ = s_;
+        return v;
       }
-      return view{r.srecv_->dst, r.srecv_->bytes, nullptr, nullptr};
+      return view{r.srecv_->dst, r.srecv_->bytes, true};
     }
     const std::size_t bytes = r.slot_ ? r.slot_->bytes : r.srecv_ ? r.srecv_->bytes : 0;
-    if (!wait(r, deadline)) return view{nullptr, bytes, nullptr, nullptr};
-    return view{static_cast<const std::byte*>(r.slot_ ? r.slot_->dst : r.srecv_ ? r.srecv_->dst : nullptr), bytes, nullptr, nullptr};
+    if (!wait(r, deadline)) return view{nullptr, bytes, false};
+    return view{static_cast<const std::byte*>(r.slot_ ? r.slot_->dst : r.srecv_ ? r.srecv_->dst : nullptr), bytes, true};
   }
   // Done reading a view: a message read in the ring leaves it.
-  void release(view& v) {
-    if (v.held) v.s->shm->take(v.held, false);
-    v = view{};
-  }
+  void release(view& v) { v.reset(); }
 
   // Collective over this endpoint's group, like MPI_Comm_split. The colours and keys travel first
   // by MPI_Iallgather, which can be waited on with a deadline; once it completes every rank is
@@ -605,13 +653,13 @@ class mpi {
     auto& sh = *s_->shm;
     for (int polls = 0;; ++polls) {
       const std::uint32_t seen = sh.doorbell();
-      sh.progress(r.srecv_.get());
+      sh.progress(r.srecv_.get(), in_place);
       if (s_->remote) match_all(nullptr);
-      if (r.srecv_ && r.srecv_->in_ring) {
-        if (in_place) return true;  // wait_view reads it there; release() frees it
-        sh.take(r.srecv_, true);
+      if (r.srecv_ && r.srecv_->in_ring.load(std::memory_order_acquire)) {
+        if (in_place) return true;  // wait_view reads it there
+        sh.take(r.srecv_);          // parked in the ring: a plain wait copies it out
       }
-      if (r.ssend_ ? r.ssend_->done : r.srecv_->done) {
+      if (r.ssend_ ? r.ssend_->done.load(std::memory_order_acquire) : r.srecv_->done.load(std::memory_order_acquire)) {
         r.done_ = true;
         if (r.srecv_ && r.srecv_->got >= 0)
           throw error(errc::mismatch, "recv", rank(), r.peer_,
@@ -630,7 +678,9 @@ class mpi {
         std::this_thread::yield();
         continue;
       }
-      const std::chrono::nanoseconds cap = s_->remote ? std::chrono::nanoseconds(max_sleep) : std::chrono::milliseconds(50);
+      // Everything a local wait can wait for rings the doorbell (a peer's write or read, an abort,
+      // another thread of this rank completing the request); the cap only bounds a lost wake-up.
+      const std::chrono::nanoseconds cap = s_->remote ? std::chrono::nanoseconds(max_sleep) : std::chrono::milliseconds(1000);
       sh.sleep(seen, std::min<std::chrono::nanoseconds>(deadline - now, cap));
     }
   }

@@ -18,7 +18,13 @@
 // Matching follows the transport concept: per (peer, tag) in send order. A message at the head of
 // a ring waits there for its receive; only when a receive for another tag from that peer is posted
 // does it move to a private buffer (so the first step's data, sent beside a collective's headers,
-// is read once, straight into place).
+// is read once, straight into place). A message whose receive is being waited for by wait_view
+// stays in the ring, read there, until the view is released; any other goes to its receive's
+// memory as it arrives.
+//
+// Large sends the receiver will copy (an all-gather's) can go by reference instead: the ring
+// carries their address, the receiver copies them straight out of the sender's memory
+// (process_vm_readv, where Linux allows it), and the send completes when it has.
 //
 // The segment is created by the node's first rank with shm_open and posix_fallocate (a full /dev/shm
 // is an error at set-up, not a SIGBUS later), mapped by the others and unlinked once all have it.
@@ -89,9 +95,11 @@ class shm_segment {
     if (base_) munmap(base_, bytes_);
   }
 
-  // Creates `name` with every byte backed by memory now; returns an empty string or why not.
-  std::string create(const std::string& name, std::size_t bytes) {
+  // Creates `name` with every byte backed by memory now; returns an empty string or why not
+  // (exists: the name was taken).
+  std::string create(const std::string& name, std::size_t bytes, bool* exists = nullptr) {
     const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (exists) *exists = fd < 0 && errno == EEXIST;
     if (fd < 0) return "shm_open(" + name + "): " + std::strerror(errno);
     std::string why;
     if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) why = std::string("ftruncate: ") + std::strerror(errno);
@@ -139,6 +147,7 @@ struct alignas(64) shm_rank_block {
 struct shm_ring_control {
   alignas(64) std::atomic<std::uint64_t> head;     // bytes ever written (the producer's)
   std::atomic<std::uint64_t> revoked;              // by-reference sends withdrawn up to this number
+  std::atomic<std::uint32_t> starved;              // the producer has bytes to write and no room
   alignas(64) std::atomic<std::uint64_t> tail;     // bytes ever consumed (the consumer's)
   std::atomic<std::uint64_t> acked;                // by-reference sends read up to this number
 };
@@ -172,7 +181,9 @@ struct shm_send {
   std::uint64_t ref_seq = 0; // its number among this ring's by-reference sends
   bool framed = false;
   bool withdrawn = false;
-  bool done = false;     // whole payload in the ring: the sender's memory is free
+  // The whole message (trailer too) is in the ring, or a by-reference one was read: the
+  // sender's memory is its own again. Written under the endpoint's lock, read by waiters.
+  std::atomic<bool> done{false};
 };
 
 // One receive: done once its message is read; got >= 0 when that message had another size;
@@ -182,10 +193,12 @@ struct shm_recv {
   std::size_t bytes = 0;
   int from = -1;
   std::uint32_t tag = 0;
-  const std::byte* in_ring = nullptr;  // arrived whole and left in the ring: read it there
   std::int64_t got = -1;
   bool withdrawn = false;
-  bool done = false;
+  // Set under the endpoint's lock, after got and withdrawn; read by waiters.
+  std::atomic<bool> done{false};
+  // Arrived whole and left in the ring for a wait_view: read it there, then release_view().
+  std::atomic<const std::byte*> in_ring{nullptr};
 };
 
 // This rank's end of a node's segment: `local` is its index among `ranks` local ranks, and
@@ -256,30 +269,36 @@ class shm_endpoint {
     }
     posted_[{from, tag}].push_back(r);
     ++posted_count_[static_cast<std::size_t>(from)];
-    drain(from, nullptr);
+    drain(from, nullptr, false);
     return r;
   }
 
-  // Moves whatever can move on every ring of this rank. A message that arrived whole for a
-  // posted receive stays in the ring (r->in_ring) until read there or taken, unless `want`, a
-  // receive from the same peer, is waiting behind it: then it is copied out of the way.
-  bool progress(const shm_recv* want = nullptr) {
+  // Moves whatever can move on every ring of this rank. in_place: `want` is waited for by a
+  // wait_view, so its message, once whole in the ring, is left there (want->in_ring) for the
+  // caller to read, and its ring moves on only at release_view(). Every other message goes to
+  // its receive's memory as it arrives, so no ring waits on a receive nobody is reading.
+  bool progress(const shm_recv* want = nullptr, bool in_place = false) {
     std::lock_guard lk(m_);
     bool moved = false;
     for (int p = 0; p < lay_.ranks; ++p) {
       if (p == local_) continue;
       moved |= pump(p);
-      moved |= drain(p, want);
+      moved |= drain(p, want, in_place);
     }
     return moved;
   }
 
-  // A receive whose message lies in the ring: copy it to the receive's memory (copy == true) or
-  // not (the caller has read it in place), then free its room for the sender.
-  void take(const std::shared_ptr<shm_recv>& r, bool copy) {
+  // The caller has read a message in the ring (wait_view): free its room for the sender.
+  void release_view(const std::shared_ptr<shm_recv>& r) {
     std::lock_guard lk(m_);
-    if (!r->in_ring) return;
-    if (copy && r->bytes) std::memcpy(r->dst, r->in_ring, r->bytes);
+    if (r->in_ring.load(std::memory_order_relaxed)) consume_held(r->from);
+  }
+  // A plain wait for a receive whose message waits in the ring: copy it to the receive's memory.
+  void take(const std::shared_ptr<shm_recv>& r) {
+    std::lock_guard lk(m_);
+    auto& in = in_[static_cast<std::size_t>(r->from)];
+    if (!r->in_ring.load(std::memory_order_relaxed) || in.viewed) return;
+    if (r->bytes) std::memcpy(r->dst, r->in_ring.load(std::memory_order_relaxed), r->bytes);
     consume_held(r->from);
   }
 
@@ -287,19 +306,19 @@ class shm_endpoint {
   // rest goes as zeros and the trailer says withdrawn. The caller's memory is not read again.
   void withdraw(const std::shared_ptr<shm_send>& s, int to) {
     std::lock_guard lk(m_);
-    if (s->done) return;
+    if (s->done.load(std::memory_order_relaxed)) return;
     auto& q = out_[static_cast<std::size_t>(to)].q;
     if (s->by_ref && s->framed) {
       // The receiver checks this before and after it reads, so it never hands out bytes read
       // from memory the sender may have freed (it reports the message withdrawn instead).
       auto& c = control(local_, to);
       c.revoked.store(std::max(c.revoked.load(std::memory_order_relaxed), s->ref_seq), std::memory_order_seq_cst);
-      s->done = true;
+      s->done.store(true, std::memory_order_relaxed);
       return;
     }
     if (!s->framed) {
       q.erase(std::remove(q.begin(), q.end(), s), q.end());
-      s->done = true;
+      s->done.store(true, std::memory_order_relaxed);
       return;
     }
     s->data = nullptr;
@@ -309,20 +328,36 @@ class shm_endpoint {
   // A receive whose request is destroyed unfinished: no byte lands in its memory afterwards.
   void withdraw(const std::shared_ptr<shm_recv>& r, int from) {
     std::lock_guard lk(m_);
-    if (r->done) return;
-    r->done = true;
+    if (r->done.load(std::memory_order_relaxed)) return;
     auto& in = in_[static_cast<std::size_t>(from)];
+    if (in.target == r && in.viewed) return;  // a view is reading it: release_view() frees it
+    if (in.target == r && in.parked) {
+      consume_held(from);  // dropped unread
+      return;
+    }
+    r->done.store(true, std::memory_order_relaxed);
     if (in.target == r) {
-      if (in.held) {
-        consume_held(from);
-      } else {
-        in.target = nullptr;
-        in.sink = nullptr;
-      }
+      in.target = nullptr;
+      in.sink = nullptr;
       return;
     }
     for (auto& u : in.unexpected)
-      if (u->claimed == r) u->claimed = nullptr;
+      if (u->claimed == r) {
+        // Its message belongs to the next receive posted for the tag, as if r had never been.
+        u->claimed = nullptr;
+        auto next = posted_.find({from, r->tag});
+        if (next != posted_.end()) {
+          u->claimed = next->second.front();
+          next->second.pop_front();
+          --posted_count_[static_cast<std::size_t>(from)];
+          if (next->second.empty()) posted_.erase(next);
+          if (u->complete) {
+            deliver(*u, *u->claimed);
+            in.unexpected.erase(std::find(in.unexpected.begin(), in.unexpected.end(), u));
+          }
+        }
+        return;
+      }
     auto it = posted_.find({from, r->tag});
     if (it == posted_.end()) return;
     auto& q = it->second;
@@ -395,7 +430,10 @@ class shm_endpoint {
   };
   struct incoming {
     bool active = false;              // inside a message
-    bool held = false;                // the message lies whole in the ring for target
+    // The message lies whole in the ring for target (target->in_ring): parked until its receive
+    // is waited for, copied out if the producer runs out of room or a later receive from this
+    // peer is waited for first; viewed while a wait_view's caller reads it (nothing passes).
+    bool parked = false, viewed = false;
     frame f{};
     std::uint64_t got = 0;            // payload bytes read
     std::byte* sink = nullptr;        // where payload goes (null: skipped)
@@ -454,7 +492,7 @@ class shm_endpoint {
     if (!o.reading.empty()) {  // acknowledged by-reference sends are complete (in ring order)
       const std::uint64_t acked = c.acked.load(std::memory_order_acquire);
       while (!o.reading.empty() && o.reading.front()->ref_seq <= acked) {
-        o.reading.front()->done = true;
+        o.reading.front()->done.store(true, std::memory_order_release);
         o.reading.pop_front();
       }
     }
@@ -472,6 +510,7 @@ class shm_endpoint {
         put(d, head, reinterpret_cast<const std::byte*>(&o.trailer), sizeof o.trailer);
         head += sizeof o.trailer;
         o.trailer_due = false;
+        o.q.front()->done.store(true, std::memory_order_release);
         o.q.pop_front();
       }
       if (o.q.empty()) break;
@@ -514,21 +553,29 @@ class shm_endpoint {
         s.sent += n;
       }
       if (s.sent < s.bytes) break;
-      s.done = true;  // every byte copied: the sender's memory is its own again
       o.trailer = s.withdrawn ? trailer_withdrawn : trailer_whole;
       o.pad = pad8(s.bytes) - s.bytes;
       o.trailer_due = true;
     }
-    if (head == start) return false;
+    // Out of room with bytes still to write: tell the receiver, which then copies out messages
+    // it had left parked in the ring (drain), so that a ring never waits on a receive nobody
+    // is waiting for.
+    const std::uint32_t starved = !o.q.empty() || o.trailer_due ? 1 : 0;
+    const bool newly = starved && !c.starved.load(std::memory_order_relaxed);
+    if (starved != c.starved.load(std::memory_order_relaxed)) c.starved.store(starved, std::memory_order_release);
+    if (head == start) {
+      if (newly) ring(to);
+      return false;
+    }
     c.head.store(head, std::memory_order_release);
     ring(to);
     return true;
   }
 
   // Reads messages from local rank `from` into their receives. A message nobody asked for stays
-  // in the ring unless a receive for another tag from `from` is waiting behind it; a whole message
-  // for a posted receive stays too (progress() says when it is copied out). Lock held.
-  bool drain(int from, const shm_recv* want) {
+  // in the ring unless a receive for another tag from `from` is waiting behind it; the message a
+  // wait_view waits for stays once whole (progress()). Lock held.
+  bool drain(int from, const shm_recv* want, bool in_place) {
     auto& in = in_[static_cast<std::size_t>(from)];
     auto& c = control(from, local_);
     const std::byte* d = data(from, local_);
@@ -537,6 +584,24 @@ class shm_endpoint {
     const std::uint64_t head = c.head.load(std::memory_order_acquire);
     const std::uint64_t start = tail;
     for (;;) {
+      if (in.viewed) break;  // a view is reading it; nothing passes until release_view()
+      if (in.parked) {
+        if (in_place && in.target.get() == want) {
+          in.viewed = true;
+          break;
+        }
+        const bool must_pass = c.starved.load(std::memory_order_acquire) || (want && want->from == from && want != in.target.get());
+        if (!must_pass) break;
+        const std::byte* at = in.target->in_ring.load(std::memory_order_relaxed);
+        if (in.target->bytes) std::memcpy(in.target->dst, at, in.target->bytes);
+        tail += pad8(in.f.bytes) + sizeof(std::uint64_t);
+        in.target->in_ring.store(nullptr, std::memory_order_relaxed);
+        in.target->done.store(true, std::memory_order_release);
+        in.active = in.parked = false;
+        in.target = nullptr;
+        in.sink = nullptr;
+        continue;
+      }
       if (!in.active) {
         const std::size_t to_end = cap - static_cast<std::size_t>(tail % cap);
         if (to_end < sizeof(frame)) {  // the producer skipped this stub too
@@ -581,7 +646,7 @@ class shm_endpoint {
         in.f = f;
         in.got = 0;
         in.active = true;
-        in.held = false;
+        in.parked = in.viewed = false;
         if (ref) {
           ref_record rr;
           get(d, tail, reinterpret_cast<std::byte*>(&rr), sizeof rr);
@@ -601,19 +666,17 @@ class shm_endpoint {
         }
       }
       const std::size_t body = pad8(in.f.bytes);
-      if (in.target && in.sink && in.got == 0 && sizeof(frame) + body + sizeof(std::uint64_t) <= cap) {
-        // Written in one piece (pump starts such a message at the ring's beginning if need be).
-        if (head - tail < body + sizeof(std::uint64_t)) break;  // not all here yet
+      if (in.target && in.sink && in.got == 0 && sizeof(frame) + body + sizeof(std::uint64_t) <= cap &&
+          head - tail >= body + sizeof(std::uint64_t)) {
+        // Whole, and in one piece (pump starts such a message at the ring's beginning if need
+        // be): park it where it is; the loop's top decides whether it stays.
         std::uint64_t trailer = 0;
         get(d, tail + body, reinterpret_cast<std::byte*>(&trailer), sizeof trailer);
-        const bool must_pass = want && want != in.target.get() && want->from == from;
-        if (trailer == trailer_whole && !must_pass) {
-          in.held = true;
-          in.target->in_ring = d + tail % cap;
-          break;
+        if (trailer == trailer_whole) {
+          in.parked = true;
+          in.target->in_ring.store(d + tail % cap, std::memory_order_release);
+          continue;
         }
-        in.held = false;
-        in.target->in_ring = nullptr;
       }
       const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(head - tail, in.f.bytes - in.got));
       if (n) {
@@ -632,6 +695,8 @@ class shm_endpoint {
     if (tail == start) return false;
     c.tail.store(tail, std::memory_order_release);
     ring(from);
+    // A receive completed here may be another thread's of this rank, asleep on our doorbell.
+    if (block(local_).sleepers.load(std::memory_order_seq_cst) > 0) ring(local_, true);
     return true;
   }
 
@@ -639,15 +704,13 @@ class shm_endpoint {
   static void finish(incoming& in, bool withdrawn) {
     if (in.target) {
       in.target->withdrawn = withdrawn;
-      in.target->done = true;
+      in.target->done.store(true, std::memory_order_release);
     }
     if (in.aside) {
       in.aside->complete = true;
-      in.aside->withdrawn = withdrawn;
+      in.aside->withdrawn = withdrawn;  // kept even so: its receive reports the withdrawal
       auto& un = in.unexpected;
-      if (withdrawn && !in.aside->claimed) {
-        un.erase(std::remove(un.begin(), un.end(), in.aside), un.end());
-      } else if (in.aside->claimed) {
+      if (in.aside->claimed) {
         deliver(*in.aside, *in.aside->claimed);
         un.erase(std::remove(un.begin(), un.end(), in.aside), un.end());
       }
@@ -663,9 +726,9 @@ class shm_endpoint {
     auto& in = in_[static_cast<std::size_t>(from)];
     auto& c = control(from, local_);
     const std::uint64_t tail = c.tail.load(std::memory_order_relaxed) + pad8(in.f.bytes) + sizeof(std::uint64_t);
-    in.target->in_ring = nullptr;
-    in.target->done = true;
-    in.active = in.held = false;
+    in.target->in_ring.store(nullptr, std::memory_order_relaxed);
+    in.target->done.store(true, std::memory_order_release);
+    in.active = in.parked = in.viewed = false;
     in.target = nullptr;
     in.sink = nullptr;
     c.tail.store(tail, std::memory_order_release);
@@ -679,7 +742,7 @@ class shm_endpoint {
       r.got = static_cast<std::int64_t>(u.data.size());
     }
     r.withdrawn = u.withdrawn;
-    r.done = true;
+    r.done.store(true, std::memory_order_release);
   }
 
   std::shared_ptr<shm_segment> seg_;
