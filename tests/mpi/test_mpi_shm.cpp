@@ -239,6 +239,22 @@ TEST_CASE("mpi over shared memory: posted receives never stall a ring, in any or
     CHECK(ia == pattern(prev, a.size(), 5));
     CHECK(ib == pattern(prev, b.size(), 6));
   }
+  SECTION("a by-reference send waited behind a message parked for its receive") {
+    // Only b's address goes into the ring (80 KiB, in place): it fits behind a, so the ring has
+    // room, and still the receiver must copy a out to reach it.
+    const auto big = pattern(t.rank(), 80 << 10, 7);
+    std::vector<std::uint8_t> ibig(big.size());
+    auto ra = t.irecv(prev, 1, ia.data(), ia.size());
+    auto rb = t.irecv(prev, 2, ibig.data(), ibig.size());
+    auto sa = t.isend(next, 1, a.data(), a.size());
+    auto sb = t.isend_in_place(next, 2, big.data(), big.size());
+    REQUIRE(t.wait(sa, soon(5000ms)));
+    REQUIRE(t.wait(sb, soon(5000ms)));
+    REQUIRE(t.wait(rb, soon()));
+    REQUIRE(t.wait(ra, soon()));
+    CHECK(ia == pattern(prev, a.size(), 5));
+    CHECK(ibig == pattern(prev, big.size(), 7));
+  }
   SECTION("the later receive waited for first, by wait_view") {
     auto ra = t.irecv(prev, 1, ia.data(), ia.size());
     auto rb = t.irecv(prev, 2, ib.data(), ib.size());

@@ -174,8 +174,11 @@ namespace detail {
 
 inline std::size_t shm_ring_bytes(const mpi_options& opt, int local_ranks) {
   if (opt.ring_bytes) return std::max<std::size_t>((opt.ring_bytes + 4095) / 4096 * 4096, 4096);
-  const std::size_t pairs = static_cast<std::size_t>(local_ranks) * static_cast<std::size_t>(local_ranks - 1);
-  const std::size_t budget = (std::size_t{64} << 20) / pairs / 4096 * 4096;
+  // 64 MiB in all, the rings' control pages and the ranks' blocks included.
+  const shm_layout empty{local_ranks, 0};
+  const std::size_t pairs = empty.rings(), fixed = empty.total();
+  const std::size_t all = std::size_t{64} << 20;
+  const std::size_t budget = all > fixed ? (all - fixed) / pairs / 4096 * 4096 : 0;
   return std::clamp<std::size_t>(budget, std::size_t{64} << 10, std::size_t{2} << 20);
 }
 
@@ -206,7 +209,9 @@ inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   must(MPI_Comm_split_type(s.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
   struct free_on_exit {
     MPI_Comm* c;
-    ~free_on_exit() { MPI_Comm_free(c); }
+    ~free_on_exit() {
+      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+    }
   } free_node{&node};
   int local = 0, me = 0;
   MPI_Comm_size(node, &local);
@@ -225,6 +230,7 @@ inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   if (me == 0) {
     const shm_layout lay{local, shm_ring_bytes(opt, local)};
     std::string why, name;
+    shm_segment::sweep("lockstep-");
     for (int attempt = 0; attempt < 8; ++attempt) {
       name = "/lockstep-" + std::to_string(getpid()) + "-" + std::to_string(made++);
       bool exists = false;
@@ -265,7 +271,7 @@ inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   const bool ref_wanted = opt.by_reference && !(cma_env && std::string(cma_env) == "0");
   s.shm->publish_identity();
   must(MPI_Barrier(node), "MPI_Barrier");
-  int can = ref_wanted && s.shm->can_read_next() ? 1 : 0, all_can = 0;
+  int can = ref_wanted && s.shm->can_read_peers() ? 1 : 0, all_can = 0;
   must(MPI_Allreduce(&can, &all_can, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
   s.shm->set_by_reference(all_can != 0);
   if (!all_can)
@@ -561,13 +567,16 @@ class mpi {
     if (r.srecv_ && !r.done_) {
       throw_if_aborted("recv", r.peer_);
       if (!wait_local(r, deadline, "recv", true)) return view{nullptr, r.srecv_->bytes, false};
-      if (const std::byte* in_ring = r.srecv_->in_ring.load(std::memory_order_acquire)) {
+      if (const std::byte* in_ring = s_->shm->hold_view(r.srecv_)) {
         r.done_ = true;
         view v{in_ring, r.srecv_->bytes, true};
         v.held_ = r.srecv_;
         v.s_ = s_;
         return v;
       }
+      if (!r.srecv_->done.load(std::memory_order_acquire) && !wait(r, deadline))  // copied out meanwhile
+        return view{nullptr, r.srecv_->bytes, false};
+      r.done_ = true;
       return view{r.srecv_->dst, r.srecv_->bytes, true};
     }
     const std::size_t bytes = r.slot_ ? r.slot_->bytes : r.srecv_ ? r.srecv_->bytes : 0;

@@ -30,7 +30,9 @@
 // is an error at set-up, not a SIGBUS later), mapped by the others and unlinked once all have it.
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -120,6 +122,19 @@ class shm_segment {
     return why;
   }
   static void unlink(const std::string& name) { shm_unlink(name.c_str()); }
+  // Removes /dev/shm/<prefix><pid>-* left by processes that no longer exist (a job killed during
+  // set-up, between create and the unlink that follows once every rank has mapped it).
+  static void sweep(const std::string& prefix) {
+    DIR* dir = opendir("/dev/shm");
+    if (!dir) return;
+    while (const dirent* e = readdir(dir)) {
+      const std::string n = e->d_name;
+      if (n.rfind(prefix, 0) != 0) continue;
+      const long pid = std::strtol(n.c_str() + prefix.size(), nullptr, 10);
+      if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) shm_unlink(("/" + n).c_str());
+    }
+    closedir(dir);
+  }
 
   std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
 
@@ -293,6 +308,15 @@ class shm_endpoint {
     std::lock_guard lk(m_);
     if (r->in_ring.load(std::memory_order_relaxed)) consume_held(r->from);
   }
+  // The caller of wait_view takes r's parked message to read in place: nothing passes it until
+  // release_view(). Null when it is not parked (copied out meanwhile: r is done).
+  const std::byte* hold_view(const std::shared_ptr<shm_recv>& r) {
+    std::lock_guard lk(m_);
+    auto& in = in_[static_cast<std::size_t>(r->from)];
+    if (!in.parked || in.target != r) return nullptr;
+    in.viewed = true;
+    return r->in_ring.load(std::memory_order_relaxed);
+  }
   // A plain wait for a receive whose message waits in the ring: copy it to the receive's memory.
   void take(const std::shared_ptr<shm_recv>& r) {
     std::lock_guard lk(m_);
@@ -313,12 +337,14 @@ class shm_endpoint {
       // from memory the sender may have freed (it reports the message withdrawn instead).
       auto& c = control(local_, to);
       c.revoked.store(std::max(c.revoked.load(std::memory_order_relaxed), s->ref_seq), std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // no later write of the bytes overtakes it
       s->done.store(true, std::memory_order_relaxed);
       return;
     }
     if (!s->framed) {
       q.erase(std::remove(q.begin(), q.end(), s), q.end());
       s->done.store(true, std::memory_order_relaxed);
+      pump(to);  // settles the ring's starved flag
       return;
     }
     s->data = nullptr;
@@ -330,9 +356,8 @@ class shm_endpoint {
     std::lock_guard lk(m_);
     if (r->done.load(std::memory_order_relaxed)) return;
     auto& in = in_[static_cast<std::size_t>(from)];
-    if (in.target == r && in.viewed) return;  // a view is reading it: release_view() frees it
-    if (in.target == r && in.parked) {
-      consume_held(from);  // dropped unread
+    if (in.target == r && in.parked) {  // viewed too: a live view finished the request first
+      consume_held(from);                // dropped unread
       return;
     }
     r->done.store(true, std::memory_order_relaxed);
@@ -396,7 +421,7 @@ class shm_endpoint {
   }
 
   // Set-up of by-reference sends (collective over the node, with a barrier between the two
-  // calls): publish this process, then read a word of the next local rank's memory. Linux may
+  // calls): publish this process, then read a word of every other local rank's memory. Linux may
   // forbid it (Yama ptrace_scope, containers); set_by_reference(false) then keeps every byte in
   // the rings.
   void publish_identity() {
@@ -404,11 +429,14 @@ class shm_endpoint {
     block(local_).pid.store(static_cast<std::int32_t>(getpid()), std::memory_order_relaxed);
     block(local_).probe.store(reinterpret_cast<std::uintptr_t>(&probe_word), std::memory_order_release);
   }
-  bool can_read_next() const {
-    const int p = (local_ + 1) % lay_.ranks;
-    std::uint64_t got = 0;
-    const std::uint64_t addr = block(p).probe.load(std::memory_order_acquire);
-    return read_peer(p, &got, addr, sizeof got) && got == 0x4c4f434b53544550ull;
+  bool can_read_peers() const {
+    for (int p = 0; p < lay_.ranks; ++p) {
+      if (p == local_) continue;
+      std::uint64_t got = 0;
+      const std::uint64_t addr = block(p).probe.load(std::memory_order_acquire);
+      if (!read_peer(p, &got, addr, sizeof got) || got != 0x4c4f434b53544550ull) return false;
+    }
+    return true;
   }
   void set_by_reference(bool on) { cma_ = on; }
   bool by_reference() const noexcept { return cma_; }
@@ -496,7 +524,6 @@ class shm_endpoint {
         o.reading.pop_front();
       }
     }
-    if (o.q.empty() && !o.trailer_due) return false;
     std::byte* d = data(local_, to);
     const std::size_t cap = lay_.capacity;
     std::uint64_t head = c.head.load(std::memory_order_relaxed);
@@ -560,7 +587,8 @@ class shm_endpoint {
     // Out of room with bytes still to write: tell the receiver, which then copies out messages
     // it had left parked in the ring (drain), so that a ring never waits on a receive nobody
     // is waiting for.
-    const std::uint32_t starved = !o.q.empty() || o.trailer_due ? 1 : 0;
+    // (Unread by-reference sends count: their records may wait behind a parked message.)
+    const std::uint32_t starved = !o.q.empty() || o.trailer_due || !o.reading.empty() ? 1 : 0;
     const bool newly = starved && !c.starved.load(std::memory_order_relaxed);
     if (starved != c.starved.load(std::memory_order_relaxed)) c.starved.store(starved, std::memory_order_release);
     if (head == start) {
@@ -586,10 +614,7 @@ class shm_endpoint {
     for (;;) {
       if (in.viewed) break;  // a view is reading it; nothing passes until release_view()
       if (in.parked) {
-        if (in_place && in.target.get() == want) {
-          in.viewed = true;
-          break;
-        }
+        if (in_place && in.target.get() == want) break;  // for the caller's hold_view()
         const bool must_pass = c.starved.load(std::memory_order_acquire) || (want && want->from == from && want != in.target.get());
         if (!must_pass) break;
         const std::byte* at = in.target->in_ring.load(std::memory_order_relaxed);
@@ -655,10 +680,16 @@ class shm_endpoint {
           bool withdrawn = c.revoked.load(std::memory_order_seq_cst) >= rr.seq;
           if (!withdrawn && in.sink && f.bytes) {
             const bool ok = read_peer(from, in.sink, rr.addr, f.bytes);
+            std::atomic_thread_fence(std::memory_order_seq_cst);  // the copy is done before the check
             withdrawn = c.revoked.load(std::memory_order_seq_cst) >= rr.seq;
-            if (!ok && !withdrawn)
+            if (!ok && !withdrawn) {
+              const int err = errno;
+              c.tail.store(tail, std::memory_order_release);  // the record is consumed either way
+              c.acked.store(rr.seq, std::memory_order_release);
+              finish(in, true);
               throw error(errc::transport, "recv", names_[static_cast<std::size_t>(local_)], names_[static_cast<std::size_t>(from)],
-                          std::string("process_vm_readv of a ") + std::to_string(f.bytes) + "-byte message: " + std::strerror(errno));
+                          std::string("process_vm_readv of a ") + std::to_string(f.bytes) + "-byte message: " + std::strerror(err));
+            }
           }
           c.acked.store(rr.seq, std::memory_order_release);
           finish(in, withdrawn);
