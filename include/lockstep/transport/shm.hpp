@@ -18,9 +18,11 @@
 // Matching follows the transport concept: per (peer, tag) in send order. A message at the head of
 // a ring waits there for its receive; only when a receive for another tag from that peer is posted
 // does it move to a private buffer (so the first step's data, sent beside a collective's headers,
-// is read once, straight into place). A message whose receive is being waited for by wait_view
-// stays in the ring, read there, until the view is released; any other goes to its receive's
-// memory as it arrives.
+// is read once, straight into place). A whole message for a posted receive is parked where it
+// lies: a wait_view reads it there (nothing passes it until the view is released), a plain wait
+// copies it out; it is copied out early when the sender runs out of room (the ring's starved
+// flag) or a later receive from that peer is waited for first, so no ring ever waits on a
+// receive nobody is waiting for.
 //
 // Large sends the receiver will copy (an all-gather's) can go by reference instead: the ring
 // carries their address, the receiver copies them straight out of the sender's memory
