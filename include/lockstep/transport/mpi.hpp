@@ -65,11 +65,13 @@
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <cstdint>
+#include <cstring>
 #include <deque>
 #include <map>
-#include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
