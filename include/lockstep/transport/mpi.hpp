@@ -14,7 +14,7 @@
 // and off by itself (shared_memory_note() says why) where the segment cannot be made.
 // Measured on 4 ranks over 2 cores (docs/benchmarks.md, "Shared memory between the ranks of a
 // node"): a ring fp32 all-reduce went from 0.96-1.07x MPI_Allreduce at 1..4 MiB (MPI's own path)
-// to 1.02-1.39x, and takes 0.65-0.75 of the time at 64 MiB.
+// to 1.02-1.39x, and takes 0.72-0.80 of the time at 64 MiB.
 //
 // Sends are MPI_Isend. A receive is matched with MPI_Improbe before any byte lands: the probe
 // tells the message's size, so a message of another size is an errc::mismatch naming the peer and
@@ -38,7 +38,7 @@
 // the poll backs off: a few tests, then yields, then short sleeps.
 //
 // abort() marks this endpoint failed: later calls on it throw errc::aborted at once, and so do the
-// waits of the peers on its node (through the segment). Peers on other nodes find out through
+// waits of the peers on its node for messages to or from a rank of the node (through the segment). Peers on other nodes find out through
 // their own timeouts; MPI has no way to interrupt them short of MPI_Abort, which would take the
 // whole job down with it.
 //
@@ -164,8 +164,8 @@ struct mpi_options {
   // LOCKSTEP_MPI_SHM=0 turns it off for every endpoint (netlab does, so that its ranks, one machine
   // posing as several, talk over the shaped network).
   bool shared_memory = true;
-  // Bytes of each ring (one per ordered pair of local ranks); 0: two 1 MiB segments, less where
-  // the node has so many ranks that the rings would pass 64 MiB in all (never below 64 KiB).
+  // Bytes of each ring (one per ordered pair of local ranks); 0: 2 MiB, less where the node has
+  // so many ranks that the segment would pass 64 MiB (never below 64 KiB: from 31 local ranks).
   std::size_t ring_bytes = 0;
   // Large sends the receiver copies (isend_in_place) go by reference: the receiver reads them from
   // the sender's memory with process_vm_readv, where Linux allows it (checked at set-up). Off, or
@@ -233,9 +233,12 @@ inline void connect_shm(mpi_comm_state& s, const mpi_options& opt) {
   if (me == 0) {
     const shm_layout lay{local, shm_ring_bytes(opt, local)};
     std::string why, name;
-    shm_segment::sweep("lockstep-");
+    // Named after this PID namespace and process: the sweep only judges names whose pids it can see.
+    struct stat ns {};
+    const std::string prefix = "lockstep-" + std::to_string(stat("/proc/self/ns/pid", &ns) == 0 ? ns.st_ino : 0) + "-";
+    shm_segment::sweep(prefix);
     for (int attempt = 0; attempt < 8; ++attempt) {
-      name = "/lockstep-" + std::to_string(getpid()) + "-" + std::to_string(made++);
+      name = "/" + prefix + std::to_string(getpid()) + "-" + std::to_string(made++);
       bool exists = false;
       why = seg->create(name, lay.total(), &exists);
       if (why.empty() || !exists) break;
@@ -677,6 +680,8 @@ class mpi {
           throw error(errc::mismatch, "recv", rank(), r.peer_,
                       "expected a message of " + std::to_string(r.srecv_->bytes) + " bytes, the peer sent " +
                           std::to_string(r.srecv_->got) + " (tag " + std::to_string(r.srecv_->tag) + ")");
+        if (r.srecv_ && !r.srecv_->read_error.empty())
+          throw error(errc::transport, "recv", rank(), r.peer_, r.srecv_->read_error);
         if (r.srecv_ && r.srecv_->withdrawn)
           throw error(errc::aborted, "recv", rank(), r.peer_,
                       "the peer withdrew this message midway (its call failed; tag " + std::to_string(r.srecv_->tag) + ")");

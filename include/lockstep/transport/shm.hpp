@@ -125,15 +125,18 @@ class shm_segment {
   }
   static void unlink(const std::string& name) { shm_unlink(name.c_str()); }
   // Removes /dev/shm/<prefix><pid>-* left by processes that no longer exist (a job killed during
-  // set-up, between create and the unlink that follows once every rank has mapped it).
+  // set-up, between create and the unlink that follows once every rank has mapped it). The
+  // prefix should name this PID namespace: a pid means nothing in another one.
   static void sweep(const std::string& prefix) {
     DIR* dir = opendir("/dev/shm");
     if (!dir) return;
     while (const dirent* e = readdir(dir)) {
       const std::string n = e->d_name;
       if (n.rfind(prefix, 0) != 0) continue;
-      const long pid = std::strtol(n.c_str() + prefix.size(), nullptr, 10);
-      if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) shm_unlink(("/" + n).c_str());
+      char* end = nullptr;
+      const long pid = std::strtol(n.c_str() + prefix.size(), &end, 10);
+      if (pid <= 0 || !end || *end != '-') continue;  // not <prefix><pid>-<n>
+      if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) shm_unlink(("/" + n).c_str());
     }
     closedir(dir);
   }
@@ -163,7 +166,6 @@ struct alignas(64) shm_rank_block {
 
 struct shm_ring_control {
   alignas(64) std::atomic<std::uint64_t> head;     // bytes ever written (the producer's)
-  std::atomic<std::uint64_t> revoked;              // by-reference sends withdrawn up to this number
   std::atomic<std::uint32_t> starved;              // the producer has bytes to write and no room
   alignas(64) std::atomic<std::uint64_t> tail;     // bytes ever consumed (the consumer's)
   std::atomic<std::uint64_t> acked;                // by-reference sends read up to this number
@@ -196,6 +198,7 @@ struct shm_send {
   std::uint32_t tag = 0;
   bool by_ref = false;       // only its address goes into the ring; the receiver reads it (CMA)
   std::uint64_t ref_seq = 0; // its number among this ring's by-reference sends
+  std::uint64_t record_pos = 0;  // ring position of its record's address word
   bool framed = false;
   bool withdrawn = false;
   // The whole message (trailer too) is in the ring, or a by-reference one was read: the
@@ -212,7 +215,8 @@ struct shm_recv {
   std::uint32_t tag = 0;
   std::int64_t got = -1;
   bool withdrawn = false;
-  // Set under the endpoint's lock, after got and withdrawn; read by waiters.
+  std::string read_error;  // a by-reference read that failed (process_vm_readv's reason)
+  // Set under the endpoint's lock, after got, withdrawn and read_error; read by waiters.
   std::atomic<bool> done{false};
   // Arrived whole and left in the ring for a wait_view: read it there, then release_view().
   std::atomic<const std::byte*> in_ring{nullptr};
@@ -232,6 +236,8 @@ class shm_endpoint {
   struct ref_record {
     std::uint64_t addr, seq;
   };
+  // What a withdrawn by-reference send's address word is overwritten with (no process has it).
+  static constexpr std::uint64_t revoked_addr = ~std::uint64_t{0};
   static constexpr std::size_t pad8(std::size_t b) { return (b + 7) / 8 * 8; }
   static constexpr std::uint64_t trailer_whole = 0x57484f4c45ull, trailer_withdrawn = 0x5749544844ull;
   struct frame {
@@ -335,11 +341,15 @@ class shm_endpoint {
     if (s->done.load(std::memory_order_relaxed)) return;
     auto& q = out_[static_cast<std::size_t>(to)].q;
     if (s->by_ref && s->framed) {
-      // The receiver checks this before and after it reads, so it never hands out bytes read
-      // from memory the sender may have freed (it reports the message withdrawn instead).
-      auto& c = control(local_, to);
-      c.revoked.store(std::max(c.revoked.load(std::memory_order_relaxed), s->ref_seq), std::memory_order_seq_cst);
-      std::atomic_thread_fence(std::memory_order_seq_cst);  // no later write of the bytes overtakes it
+      // Unread yet: overwrite its record's address. The receiver reads that word before and
+      // after it copies, so it never hands out bytes read from memory the sender may have freed
+      // (it reports the message withdrawn instead). The record's room cannot have been reused:
+      // the receiver acknowledges before it frees it, and only this rank, under this lock,
+      // writes the ring.
+      if (control(local_, to).acked.load(std::memory_order_acquire) < s->ref_seq) {
+        std::atomic_ref<std::uint64_t>(*address_word(local_, to, s->record_pos)).store(revoked_addr, std::memory_order_seq_cst);
+        std::atomic_thread_fence(std::memory_order_seq_cst);  // no later write of the bytes overtakes it
+      }
       s->done.store(true, std::memory_order_relaxed);
       return;
     }
@@ -491,6 +501,10 @@ class shm_endpoint {
   std::byte* data(int from, int to) const {
     return seg_->base() + lay_.ring_offset(from, to) + shm_layout::round(sizeof(shm_ring_control));
   }
+  // The address word of a by-reference record at ring position `pos` (8-aligned, never wrapped).
+  std::uint64_t* address_word(int from, int to, std::uint64_t pos) const {
+    return reinterpret_cast<std::uint64_t*>(data(from, to) + static_cast<std::size_t>(pos % lay_.capacity));
+  }
 
   void ring(int p, bool always = false) {
     auto& b = block(p);
@@ -562,6 +576,7 @@ class shm_endpoint {
           const ref_record rr{reinterpret_cast<std::uintptr_t>(s.data), ++o.ref_seq};
           put(d, head, reinterpret_cast<const std::byte*>(&f), sizeof f);
           put(d, head + sizeof f, reinterpret_cast<const std::byte*>(&rr), sizeof rr);
+          s.record_pos = head + sizeof f;
           head += total;
           s.framed = true;
           s.ref_seq = rr.seq;
@@ -675,26 +690,27 @@ class shm_endpoint {
         in.active = true;
         in.parked = in.viewed = false;
         if (ref) {
-          ref_record rr;
-          get(d, tail, reinterpret_cast<std::byte*>(&rr), sizeof rr);
-          tail += sizeof rr;
-          // Read only what the sender has not withdrawn, and keep nothing read while it withdrew.
-          bool withdrawn = c.revoked.load(std::memory_order_seq_cst) >= rr.seq;
+          // The address word may be overwritten by a withdrawing sender: read it atomically, before
+          // and after the copy, and keep nothing read while it withdrew.
+          std::atomic_ref<std::uint64_t> addr_word(*address_word(from, local_, tail));
+          std::uint64_t seq = 0;
+          get(d, tail + sizeof(std::uint64_t), reinterpret_cast<std::byte*>(&seq), sizeof seq);
+          tail += sizeof(ref_record);
+          const std::uint64_t addr = addr_word.load(std::memory_order_seq_cst);
+          bool withdrawn = addr == revoked_addr;
+          std::string failed;
           if (!withdrawn && in.sink && f.bytes) {
-            const bool ok = read_peer(from, in.sink, rr.addr, f.bytes);
+            const bool ok = read_peer(from, in.sink, addr, f.bytes);
+            const int err = errno;
             std::atomic_thread_fence(std::memory_order_seq_cst);  // the copy is done before the check
-            withdrawn = c.revoked.load(std::memory_order_seq_cst) >= rr.seq;
-            if (!ok && !withdrawn) {
-              const int err = errno;
-              c.tail.store(tail, std::memory_order_release);  // the record is consumed either way
-              c.acked.store(rr.seq, std::memory_order_release);
-              finish(in, true);
-              throw error(errc::transport, "recv", names_[static_cast<std::size_t>(local_)], names_[static_cast<std::size_t>(from)],
-                          std::string("process_vm_readv of a ") + std::to_string(f.bytes) + "-byte message: " + std::strerror(err));
-            }
+            withdrawn = addr_word.load(std::memory_order_seq_cst) == revoked_addr;
+            if (!ok && !withdrawn)
+              failed = "process_vm_readv of a " + std::to_string(f.bytes) + "-byte message from rank " +
+                       std::to_string(names_[static_cast<std::size_t>(from)]) + ": " + std::strerror(err);
           }
-          c.acked.store(rr.seq, std::memory_order_release);
-          finish(in, withdrawn);
+          c.acked.store(seq, std::memory_order_release);
+          if (!failed.empty() && in.target) in.target->read_error = failed;  // its wait reports it
+          finish(in, withdrawn || !failed.empty());
           continue;
         }
       }
