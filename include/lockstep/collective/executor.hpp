@@ -340,12 +340,11 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
         // A copy step's bytes (final values, or wire bytes being forwarded) are not written again
         // in this call, and the receiver copies them: a transport that can let it read them here
         // is told so.
-        if constexpr (requires { t.isend_in_place(st.send_peer, tag, src, msg_bytes(sg.len)); }) {
-          if (!reduce) send_reqs.push_back(t.isend_in_place(st.send_peer, tag, src, msg_bytes(sg.len)));
-          else send_reqs.push_back(t.isend(st.send_peer, tag, src, msg_bytes(sg.len)));
-        } else {
-          send_reqs.push_back(t.isend(st.send_peer, tag, src, msg_bytes(sg.len)));
-        }
+        send_reqs.push_back([&] {
+          if constexpr (requires { t.isend_in_place(st.send_peer, tag, src, msg_bytes(sg.len)); })
+            if (!reduce) return t.isend_in_place(st.send_peer, tag, src, msg_bytes(sg.len));
+          return t.isend(st.send_peer, tag, src, msg_bytes(sg.len));
+        }());
         while (received < recvs.size() && received + ahead <= k) receive(received++);
       }
       while (received < recvs.size()) receive(received++);

@@ -38,8 +38,8 @@
 // the poll backs off: a few tests, then yields, then short sleeps.
 //
 // abort() marks this endpoint failed: later calls on it throw errc::aborted at once, and so do the
-// waits of the peers on its node for messages to or from a rank of the node (through the segment). Peers on other nodes find out through
-// their own timeouts; MPI has no way to interrupt them short of MPI_Abort, which would take the
+// waits of the peers on its node for messages to or from a rank of the node (through the
+// segment). Peers on other nodes find out through their own timeouts; MPI has no way to interrupt them short of MPI_Abort, which would take the
 // whole job down with it.
 //
 // Limits: one message carries at most INT_MAX bytes (MPI's count is an int; the executor's
@@ -432,38 +432,14 @@ class mpi {
   // Why shared memory (or its by-reference sends) is off; empty when all is on.
   std::string shared_memory_note() const { return s_ ? s_->shm_note : std::string("not connected"); }
 
-  request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
-    check(peer, tag, bytes, "send");
-    request r;
-    if (const int local = local_of(peer); local >= 0) {
-      r.ssend_ = s_->shm->post_send(local, tag, data, bytes);
-      r.s_ = s_;
-      r.peer_ = peer;
-      r.done_ = false;
-      return r;
-    }
-    const int rc = MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, peer, static_cast<int>(tag), s_->comm, &r.send_);
-    if (rc != MPI_SUCCESS) throw error(errc::transport, "send", rank(), peer, "MPI_Isend: " + detail::mpi_error_text(rc));
-    r.s_ = s_;
-    r.peer_ = peer;
-    r.done_ = false;
-    return r;
-  }
+  request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) { return send(peer, tag, data, bytes, false); }
 
   // isend for bytes that stay unchanged until the send completes and that the receiver copies
   // rather than adds: to a peer on this node a large one goes by reference (mpi_options).
   request isend_in_place(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
-    check(peer, tag, bytes, "send");
-    if (const int local = local_of(peer); local >= 0) {
-      request r;
-      r.ssend_ = s_->shm->post_send(local, tag, data, bytes, true);
-      r.s_ = s_;
-      r.peer_ = peer;
-      r.done_ = false;
-      return r;
-    }
-    return isend(peer, tag, data, bytes);
+    return send(peer, tag, data, bytes, true);
   }
+
 
   // Posts a receive of exactly `bytes`; the next message from `peer` with `tag` that no earlier
   // receive took is matched to it by the next poll of any request of this endpoint.
@@ -525,9 +501,8 @@ class mpi {
   }
 
   // What a finished receive holds: its bytes where they are, in the receive's own memory or, from
-  // a peer on this node, still in the shared ring (read them there, then release()).
-  // A finished receive's bytes (ok == false: the deadline passed first). Move-only: a view of a
-  // message in the ring holds that ring until it is released or destroyed.
+  // a peer on this node, still in the shared ring (ok == false: the deadline passed first).
+  // Move-only: a view of a message in the ring holds that ring until released or destroyed.
   class view {
    public:
     const std::byte* data = nullptr;
@@ -637,6 +612,24 @@ class mpi {
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_relaxed); }
 
  private:
+  request send(int peer, std::uint32_t tag, const void* data, std::size_t bytes, bool in_place) {
+    check(peer, tag, bytes, "send");
+    request r;
+    if (const int local = local_of(peer); local >= 0) {
+      r.ssend_ = s_->shm->post_send(local, tag, data, bytes, in_place);
+      r.s_ = s_;
+      r.peer_ = peer;
+      r.done_ = false;
+      return r;
+    }
+    const int rc = MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, peer, static_cast<int>(tag), s_->comm, &r.send_);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "send", rank(), peer, "MPI_Isend: " + detail::mpi_error_text(rc));
+    r.s_ = s_;
+    r.peer_ = peer;
+    r.done_ = false;
+    return r;
+  }
+
   void check(int peer, std::uint32_t tag, std::size_t bytes, const char* op) const {
     if (!s_) throw error(errc::invalid_argument, op, -1, peer, "endpoint not connected to a communicator");
     throw_if_aborted(op, peer);
