@@ -115,7 +115,6 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
   const std::size_t n = buf.size();
   float* const x = buf.data();
   constexpr bool identity = C::identity;
-  constexpr bool borrowing = transport::borrowing_transport<T>;
 
   if (!x && n) throw error(errc::invalid_argument, op.label, rank, -1, "null buffer with " + std::to_string(n) + " elements");
   if (n > max_count) throw error(errc::invalid_argument, op.label, rank, -1, "count " + std::to_string(n) + " overflows the wire format");
@@ -277,11 +276,9 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
         check_headers();
         if (posted) return;
         posted = true;
-        if constexpr (!borrowing) {
-          for (const segment& sg : recvs) {
-            void* dst = (identity && !reduce) ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
-            recv_reqs.push_back(t.irecv(st.recv_peer, tag, dst, msg_bytes(sg.len)));
-          }
+        for (const segment& sg : recvs) {
+          void* dst = (identity && !reduce) ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
+          recv_reqs.push_back(t.irecv(st.recv_peer, tag, dst, msg_bytes(sg.len)));
         }
       };
       if (headers_checked) ready();
@@ -293,36 +290,18 @@ void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf
       auto receive = [&](std::size_t k) {
         ready();
         const segment& sg = recvs[k];
-        if constexpr (borrowing) {
-          auto v = t.borrow(st.recv_peer, tag, msg_bytes(sg.len), deadline());
-          if (!v.data && sg.len) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+        // Reduce steps add from wherever the bytes are; copy steps copy them into place (where a
+        // plain receive would have put them) unless they are there already.
+        void* const dst = (identity && !reduce) ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
+        const bool got = t.consume(recv_reqs[k], deadline(), [&](const std::byte* data) {
           if (reduce) {
-            codec.decode_add(v.data, sg.len, x + sg.lo);
-          } else if constexpr (identity) {
-            std::memcpy(x + sg.lo, v.data, sg.len * sizeof(float));
-          } else {
-            std::memcpy(sg.wire, v.data, msg_bytes(sg.len));
-            codec.decode(sg.wire, sg.len, x + sg.lo);
+            codec.decode_add(data, sg.len, x + sg.lo);
+            return;
           }
-          t.release(v);
-        } else if constexpr (transport::viewing_transport<T>) {
-          // Reduce steps add from wherever the bytes arrived; other steps copy them into place
-          // (where a plain receive would have put them) unless they are there already.
-          auto v = t.wait_view(recv_reqs[k], deadline());
-          if (!v.ok) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
-          if (reduce) {
-            codec.decode_add(v.data, sg.len, x + sg.lo);
-          } else {
-            void* dst = identity ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
-            if (static_cast<const void*>(v.data) != dst && sg.len) std::memcpy(dst, v.data, msg_bytes(sg.len));
-            if constexpr (!identity) codec.decode(sg.wire, sg.len, x + sg.lo);
-          }
-          t.release(v);
-        } else {
-          if (!t.wait(recv_reqs[k], deadline())) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
-          if (reduce) codec.decode_add(sg.wire, sg.len, x + sg.lo);
-          else if constexpr (!identity) codec.decode(sg.wire, sg.len, x + sg.lo);
-        }
+          if (static_cast<const void*>(data) != dst) std::memcpy(dst, data, msg_bytes(sg.len));
+          if constexpr (!identity) codec.decode(sg.wire, sg.len, x + sg.lo);
+        });
+        if (!got) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
         if (!reduce && sg.last) {
           auto [lo, hi] = chunk_of(sg.chunk);
           ep(lo, hi - lo);

@@ -6,6 +6,11 @@
 //   t.irecv(peer, tag, data, bytes)        start a receive of exactly `bytes`; a message of another
 //                                          size is an errc::mismatch, never a truncation
 //   t.wait(req, deadline) -> bool          finish a request; false when the deadline passed first
+//   t.consume(req, deadline, fn) -> bool   finish a posted receive by calling fn(const std::byte*)
+//                                          once with its bytes where the transport holds them (the
+//                                          receive's own buffer, a shared ring, the sender's memory);
+//                                          they are valid only during fn, which may throw; false when
+//                                          the deadline passed first (fn not called)
 //   t.split(color, key, deadline)          a new endpoint for the sub-group of equal colour, ranked
 //                                          by (key, old rank); collective over the group
 //   t.abort(reason)                        tell the other ranks this one failed (best effort)
@@ -16,17 +21,12 @@
 // that is reading it, or has copied the bytes already (an eager send), so the sender may free them.
 // Where MPI cannot cancel a send, mpi.hpp says what the caller must keep alive instead.
 //
-// A borrowing transport (ranks share memory) can also hand the receiver the sender's bytes:
-//   t.borrow(peer, tag, bytes, deadline) -> view   (view.data == nullptr: the deadline passed)
-//   t.release(view)                                the sender's request completes
-// so that decode-add reads the sender's buffer directly, with no copy in between.
+// consume is how the executor reads every message: a reduce step decode-adds from wherever the bytes
+// are (inproc: the sender's own buffer; mpi: the shared ring a node-local peer wrote them into), a
+// copy step copies them into place unless they are there already. Each transport decides where
+// the bytes are read; the executor has no branch per transport.
 //
-// A viewing transport finishes a posted receive without its last copy:
-//   t.wait_view(req, deadline) -> view      the received bytes where they lie (view.data, .bytes;
-//                                          view.ok == false: the deadline passed)
-//   t.release(view)                         done reading them
-// (mpi: bytes from a peer on the same node are read in the shared ring they arrived in.)
-// It may also take a hint for sends whose bytes stay unchanged until they complete and that the
+// A transport may also take a hint for sends whose bytes stay unchanged until they complete and that the
 // receiver will copy, not add (an all-gather's): t.isend_in_place(peer, tag, data, bytes), a
 // request like isend's (mpi: the receiver on the same node copies them out of this process).
 #pragma once
@@ -52,23 +52,9 @@ concept transport = requires(T& t, const T& ct, int peer, std::uint32_t tag, con
   { t.isend(peer, tag, src, bytes) } -> std::same_as<typename T::request>;
   { t.irecv(peer, tag, dst, bytes) } -> std::same_as<typename T::request>;
   { t.wait(req, deadline) } -> std::same_as<bool>;
+  { t.consume(req, deadline, [](const std::byte*) {}) } -> std::same_as<bool>;
   { t.split(color, key, deadline) } -> std::same_as<T>;
   t.abort(std::string{});
-};
-
-template <class T>
-concept borrowing_transport = transport<T> && requires(T& t, int peer, std::uint32_t tag,
-                                                       std::size_t bytes, clock::time_point deadline,
-                                                       typename T::view& v) {
-  { t.borrow(peer, tag, bytes, deadline) } -> std::same_as<typename T::view>;
-  t.release(v);
-};
-
-template <class T>
-concept viewing_transport = transport<T> && requires(T& t, typename T::request& req, clock::time_point deadline,
-                                                     typename T::view& v) {
-  { t.wait_view(req, deadline) } -> std::same_as<typename T::view>;
-  t.release(v);
 };
 
 }  // namespace lockstep::transport

@@ -567,6 +567,15 @@ class mpi {
   // Done reading a view: a message read in the ring leaves it.
   void release(view& v) { v.reset(); }
 
+  // A receive read where it lies: from a peer on this node in the ring, else in its own buffer.
+  template <class F>
+  bool consume(request& r, clock::time_point deadline, F&& fn) {
+    view v = wait_view(r, deadline);
+    if (!v.ok) return false;
+    fn(v.data);
+    return true;
+  }
+
   // Collective over this endpoint's group, like MPI_Comm_split. The colours and keys travel first
   // by MPI_Iallgather, which can be waited on with a deadline; once it completes every rank is
   // inside split, so the blocking MPI_Comm_split that follows cannot hang.
@@ -760,6 +769,6 @@ class mpi {
   mpi_options opt_;
 };
 
-static_assert(viewing_transport<mpi>);
+static_assert(transport<mpi>);
 
 }  // namespace lockstep::transport
