@@ -5,6 +5,10 @@
 // with H the reduce-scatter hops (N-1 ring, R+C-2 torus), delta the codec's error per
 // quantisation relative to the block's absmax, and M = max_i sum_r |x_r[i]| (bounds every
 // partial sum). Results must be bitwise identical on every rank and from run to run.
+//
+// The matrix runs twice: over inproc (host threads, work done at once) and over inproc_deferred
+// (every rank's work queued on a host_stream, completion by events: the path a GPU takes, run by
+// the CPU), so the stream-ordered orchestration the device uses is tested here too.
 #include <lockstep/lockstep.hpp>
 
 #include "collective_bounds.hpp"
@@ -28,6 +32,20 @@ using namespace std::chrono_literals;
 using inproc_group = group<transport::inproc>;
 
 namespace {
+
+// Where the ranks run: host threads doing the work, or host threads enqueueing it on streams.
+struct on_host {
+  template <class F>
+  static void run(int n, F&& f, group_options opt = {}) {
+    run_inproc(n, std::forward<F>(f), opt);
+  }
+};
+struct on_stream {
+  template <class F>
+  static void run(int n, F&& f, group_options opt = {}) {
+    run_inproc_deferred(n, std::forward<F>(f), opt);
+  }
+};
 
 // Inputs: integers in [-8, 8] for exact fp32 checks; Gaussian values for lossy codecs.
 float input(int rank, std::size_t i, bool integer) {
@@ -68,11 +86,11 @@ void check_close(const std::vector<float>& y, const std::vector<double>& ref, do
   }
 }
 
-template <class T, class C>
+template <class Run, class T, class C>
 void all_reduce_case(const T& topo, int n, std::size_t count, reduce_op op) {
   const bool integer = exact<C>;
   results out(n);
-  run_inproc(n, [&](inproc_group& g) {
+  Run::run(n, [&](auto& g) {
     std::vector<float> v(count);
     for (std::size_t i = 0; i < count; ++i) v[i] = input(g.rank(), i, integer);
     C c{};
@@ -92,12 +110,12 @@ void all_reduce_case(const T& topo, int n, std::size_t count, reduce_op op) {
     REQUIRE(std::memcmp(out.per_rank[0].data(), out.per_rank[static_cast<std::size_t>(r)].data(), count * sizeof(float)) == 0);
 }
 
-template <class T, class C>
+template <class Run, class T, class C>
 void reduce_scatter_case(const T& topo, int n, std::size_t m_per) {
   const bool integer = exact<C>;
   const std::size_t count = m_per * static_cast<std::size_t>(n);
   results out(n);
-  run_inproc(n, [&](inproc_group& g) {
+  Run::run(n, [&](auto& g) {
     std::vector<float> in(count), o(m_per, -1.0f);
     for (std::size_t i = 0; i < count; ++i) in[i] = input(g.rank(), i, integer);
     const auto copy = in;
@@ -121,11 +139,11 @@ void reduce_scatter_case(const T& topo, int n, std::size_t m_per) {
   }
 }
 
-template <class T, class C>
+template <class Run, class T, class C>
 void all_gather_case(const T& topo, int n, std::size_t m_per) {
   const bool integer = exact<C>;
   results out(n);
-  run_inproc(n, [&](inproc_group& g) {
+  Run::run(n, [&](auto& g) {
     std::vector<float> in(m_per), o(m_per * static_cast<std::size_t>(n), -1.0f);
     for (std::size_t k = 0; k < m_per; ++k) in[k] = input(g.rank(), k, integer);
     C c{};
@@ -143,11 +161,11 @@ void all_gather_case(const T& topo, int n, std::size_t m_per) {
   for (int r = 1; r < n; ++r) REQUIRE(out.per_rank[static_cast<std::size_t>(r)] == out.per_rank[0]);
 }
 
-template <class T, class C>
+template <class Run, class T, class C>
 void broadcast_case(const T& topo, int n, std::size_t count, int root) {
   const bool integer = exact<C>;
   results out(n);
-  run_inproc(n, [&](inproc_group& g) {
+  Run::run(n, [&](auto& g) {
     std::vector<float> v(count, 0.0f);
     if (g.rank() == root)
       for (std::size_t i = 0; i < count; ++i) v[i] = input(root, i, integer);
@@ -162,7 +180,7 @@ void broadcast_case(const T& topo, int n, std::size_t count, int root) {
   for (int r = 1; r < n; ++r) REQUIRE(out.per_rank[static_cast<std::size_t>(r)] == out.per_rank[0]);
 }
 
-template <class C>
+template <class Run, class C>
 void every_op(int n) {
   const std::vector<std::size_t> counts = {0, 1, static_cast<std::size_t>(n - 1), 10007};
   auto for_topologies = [&](auto&& f) {
@@ -175,11 +193,13 @@ void every_op(int n) {
     INFO("topology " << topo.name() << ", N = " << n);
     for (std::size_t count : counts) {
       INFO("count " << count);
-      all_reduce_case<std::decay_t<decltype(topo)>, C>(topo, n, count, reduce_op::sum);
-      all_reduce_case<std::decay_t<decltype(topo)>, C>(topo, n, count, reduce_op::average);
-      reduce_scatter_case<std::decay_t<decltype(topo)>, C>(topo, n, count == 10007 ? 1009 : count);
-      all_gather_case<std::decay_t<decltype(topo)>, C>(topo, n, count == 10007 ? 1009 : count);
-      broadcast_case<std::decay_t<decltype(topo)>, C>(topo, n, count, n - 1);
+      using T = std::decay_t<decltype(topo)>;
+      all_reduce_case<Run, T, C>(topo, n, count, reduce_op::sum);
+      all_reduce_case<Run, T, C>(topo, n, count, reduce_op::average);
+      reduce_scatter_case<Run, T, C>(topo, n, count == 10007 ? 1009 : count);
+      all_gather_case<Run, T, C>(topo, n, count == 10007 ? 1009 : count);
+      // From every root: a root's k-th send and its receiver's first step must match.
+      for (int root = 0; root < n; ++root) broadcast_case<Run, T, C>(topo, n, count, root);
     }
   });
 }
@@ -188,15 +208,21 @@ void every_op(int n) {
 
 TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks", "[collective]", codec::fp32, codec::bf16, codec::int8,
                    codec::dyntree8, codec::error_feedback<codec::int8>) {
-  for (int n = 1; n <= 9; ++n) every_op<TestType>(n);
+  for (int n = 1; n <= 9; ++n) every_op<on_host, TestType>(n);
+}
+
+TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks, stream-ordered", "[collective][stream]", codec::fp32,
+                   codec::bf16, codec::int8, codec::dyntree8, codec::error_feedback<codec::int8>) {
+  for (int n = 1; n <= 9; ++n) every_op<on_stream, TestType>(n);
 }
 
 TEST_CASE("4 Mi elements: fp32 exact and dyntree8 bounded, ring and torus", "[collective][large]") {
   const std::size_t big = std::size_t{4} << 20;
-  all_reduce_case<topology::ring, codec::fp32>({}, 4, big + 3, reduce_op::sum);
-  all_reduce_case<topology::torus2d, codec::fp32>({}, 6, big, reduce_op::sum);
-  all_reduce_case<topology::torus2d, codec::dyntree8>({}, 4, big, reduce_op::average);
-  all_reduce_case<topology::ring, codec::bf16>({}, 3, big, reduce_op::sum);
+  all_reduce_case<on_host, topology::ring, codec::fp32>({}, 4, big + 3, reduce_op::sum);
+  all_reduce_case<on_host, topology::torus2d, codec::fp32>({}, 6, big, reduce_op::sum);
+  all_reduce_case<on_host, topology::torus2d, codec::dyntree8>({}, 4, big, reduce_op::average);
+  all_reduce_case<on_host, topology::ring, codec::bf16>({}, 3, big, reduce_op::sum);
+  all_reduce_case<on_stream, topology::torus2d, codec::dyntree8>({}, 4, big, reduce_op::average);
 }
 
 TEST_CASE("results are identical from run to run", "[collective]") {
@@ -371,4 +397,136 @@ TEST_CASE("split groups: per-row and per-column all-reduces, as for distributed 
     CHECK(one[0] == static_cast<float>(2 * (g.rank() % 3) + 3));
     barrier(g);
   });
+}
+
+TEST_CASE("nested collectives: an epilogue all-reduces, six levels deep, each with scratch of its own", "[collective][nested]") {
+  for (auto* which : {"host", "stream"}) {
+    INFO(which);
+    auto body = [](auto& g) {
+      constexpr int levels = 6;
+      std::vector<std::vector<float>> bufs(levels + 1);
+      for (int l = 0; l <= levels; ++l) {
+        bufs[static_cast<std::size_t>(l)].resize(5000 + 977 * static_cast<std::size_t>(l));
+        for (std::size_t i = 0; i < bufs[static_cast<std::size_t>(l)].size(); ++i)
+          bufs[static_cast<std::size_t>(l)][i] = input(g.rank() + 10 * l, i, true);
+      }
+      codec::int8 c;  // lossy: every level encodes into its own scratch, so a shared one would corrupt
+      std::vector<std::size_t> depth_seen;
+      std::function<void(int)> level = [&](int l) {
+        bool first = true;
+        all_reduce(g, std::span<float>(bufs[static_cast<std::size_t>(l)]), topology::ring{}, c, reduce_op::sum,
+                   [&](std::size_t, std::size_t) {
+                     if (!first || l == levels) return;
+                     first = false;
+                     depth_seen.push_back(g.depth());
+                     level(l + 1);
+                   });
+      };
+      level(0);
+      return std::make_pair(bufs, depth_seen);
+    };
+    // The reference: the same all-reduces one after another, no nesting.
+    std::vector<std::vector<std::vector<float>>> nested(4), flat(4);
+    std::vector<std::vector<std::size_t>> depths(4);
+    auto record = [&](auto& g) {
+      auto [b, d] = body(g);
+      nested[static_cast<std::size_t>(g.rank())] = b;
+      depths[static_cast<std::size_t>(g.rank())] = d;
+    };
+    if (std::string(which) == "host") on_host::run(4, record);
+    else on_stream::run(4, record);
+    on_host::run(4, [&](auto& g) {
+      std::vector<std::vector<float>> bufs(7);
+      codec::int8 c;
+      for (int l = 0; l <= 6; ++l) {
+        bufs[static_cast<std::size_t>(l)].resize(5000 + 977 * static_cast<std::size_t>(l));
+        for (std::size_t i = 0; i < bufs[static_cast<std::size_t>(l)].size(); ++i)
+          bufs[static_cast<std::size_t>(l)][i] = input(g.rank() + 10 * l, i, true);
+        all_reduce(g, std::span<float>(bufs[static_cast<std::size_t>(l)]), topology::ring{}, c);
+      }
+      flat[static_cast<std::size_t>(g.rank())] = bufs;
+    });
+    for (std::size_t r = 0; r < 4; ++r) {
+      REQUIRE(depths[r] == std::vector<std::size_t>{0, 1, 2, 3, 4, 5});  // the depth of the caller
+      for (std::size_t l = 0; l <= 6; ++l) REQUIRE(nested[r][l] == flat[r][l]);
+    }
+  }
+}
+
+TEST_CASE("stream-ordered: the epilogue enqueues behind the range's last work", "[collective][stream][epilogue]") {
+  run_inproc_deferred(5, [](auto& g) {
+    std::vector<float> v(70001), snapshot(v.size(), -1.0f);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = input(g.rank(), i, false);
+    std::vector<int> seen(v.size(), 0);
+    codec::dyntree8 c;
+    all_reduce(g, std::span<float>(v), topology::torus2d{}, c, reduce_op::average, [&](std::size_t first, std::size_t count) {
+      for (std::size_t i = first; i < first + count; ++i) ++seen[i];
+      // Runs on the stream after the range's decode: it must see the final values.
+      g.space().copy(snapshot.data() + first, v.data() + first, count * sizeof(float));
+    });
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      REQUIRE(seen[i] == 1);
+      REQUIRE(snapshot[i] == v[i]);
+    }
+  });
+}
+
+TEST_CASE("stream-ordered: asynchronous calls return before the work is done and keep call order", "[collective][stream][async]") {
+  run_inproc_deferred(4, [](auto& g) {
+    std::vector<std::vector<float>> buckets(5, std::vector<float>(30000));
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      for (std::size_t i = 0; i < buckets[b].size(); ++i) buckets[b][i] = static_cast<float>(g.rank() + b);
+    codec::bf16 c;
+    // Hold the stream: nothing queued behind this can have run when the calls return.
+    std::atomic<bool> go{false};
+    g.space().handle()->enqueue([&] {
+      while (!go.load()) std::this_thread::yield();
+    });
+    std::vector<request> reqs;
+    for (auto& b : buckets) reqs.push_back(all_reduce_async(g, std::span<float>(b), topology::ring{}, c));
+    for (auto& r : reqs) REQUIRE_FALSE(r.ready());
+    REQUIRE(buckets[4][0] == static_cast<float>(g.rank() + 4));
+    go = true;
+    for (auto& r : reqs) r.wait();
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      for (float x : buckets[b]) REQUIRE(x == static_cast<float>(6 + 4 * b));
+  });
+}
+
+TEST_CASE("stream-ordered: disagreeing ranks and absent peers give clear errors within seconds", "[collective][stream][errors]") {
+  group_options quick;
+  quick.timeout = 1000ms;
+  const auto t0 = std::chrono::steady_clock::now();
+  SECTION("mismatched counts: a message of the wrong size") {
+    CHECK_THROWS_WITH(run_inproc_deferred(4, [](auto& g) {
+                        std::vector<float> v(g.rank() == 2 ? 1000 : 1001);
+                        codec::fp32 c;
+                        all_reduce(g, std::span<float>(v), topology::ring{}, c);
+                      }, quick),
+                      Catch::Contains("mismatch between ranks") && Catch::Contains("all_reduce(ring, fp32)"));
+  }
+  SECTION("a rank that never calls: the others time out naming the peer") {
+    try {
+      run_inproc_deferred(3, [](auto& g) {
+        if (g.rank() == 1) return;
+        std::vector<float> v(100);
+        codec::fp32 c;
+        all_reduce(g, std::span<float>(v), topology::ring{}, c);
+      }, quick);
+      FAIL("no error");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::timeout);
+      CHECK((e.peer() == 1 || e.peer() == 2));
+      CHECK_THAT(e.what(), Catch::Contains("all_reduce(ring, fp32) on rank"));
+    }
+  }
+  SECTION("an asynchronous call's error surfaces from wait()") {
+    CHECK_THROWS_WITH(run_inproc_deferred(2, [](auto& g) {
+                        codec::fp32 c;
+                        auto r = all_reduce_async(g, std::span<float>(static_cast<float*>(nullptr), 5), topology::ring{}, c);
+                        r.wait();
+                      }, quick),
+                      Catch::Contains("null buffer with 5 elements"));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 15s);
 }

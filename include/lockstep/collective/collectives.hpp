@@ -1,14 +1,18 @@
 // lockstep/collective/collectives.hpp: all_reduce, reduce_scatter, all_gather, broadcast, barrier,
-// each blocking and asynchronous, over any group, topology and codec.
+// each blocking and asynchronous, over any group (host or stream-ordered), topology and codec.
 //
 //   lockstep::all_reduce(g, grads, topology::torus2d{}, codec, reduce_op::average);
 //   auto r = lockstep::all_reduce_async(g, bucket, topology::ring{}, codec);  ...  r.wait();
 //
 // The codec is taken by reference because error_feedback<C> keeps state in it; it and the buffers
 // must outlive an asynchronous call. An epilogue, callable as ep(first, count), sees every element
-// range the moment its final value is in place on this rank (the optimizer's fused update).
+// range the moment its final value is in place on this rank (the optimizer's fused update); on a
+// stream-ordered group the moment its work is enqueued, and it enqueues its own on g.stream().
+// On a stream-ordered group buffers live in the transport's space (device memory for a GPU), and a
+// blocking call returns once the stream has run it.
 #pragma once
 
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -51,6 +55,44 @@ void check_sizes(const G& g, const char* op, std::size_t in, std::size_t out, st
                     std::to_string(size) + " x " + out_name + " (" + std::to_string(out) + ")");
 }
 
+// The whole call of one collective, to run now or later: validation, schedule, the walk.
+template <class G, class T, class C, class Epilogue>
+auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue ep) {
+  return [&g, kind, buf, topo, &codec, rop, root, ep]() mutable {
+    const op_desc d = describe(kind, g, topo, codec, rop, root);
+    const topology::schedule s = kind == op_kind::reduce_scatter ? topo.reduce_scatter(g.rank(), g.size())
+                                 : kind == op_kind::all_gather   ? topo.all_gather(g.rank(), g.size())
+                                 : kind == op_kind::broadcast    ? topology::broadcast_schedule(topo, root, g.rank(), g.size())
+                                                                 : topology::all_reduce_schedule(topo, g.rank(), g.size());
+    run_schedule(g, s, buf, codec, d, ep);
+  };
+}
+
+template <class T, class C>
+std::string label(op_kind kind, const T& topo, const C& codec) {
+  return std::string(to_string(kind)) + "(" + topo.name() + ", " + std::string(codec.name()) + ")";
+}
+
+// Blocking: inline on a host group; enqueued and waited for on an ordered one.
+template <class G, class T, class C, class Epilogue>
+void run_now(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue&& ep) {
+  auto fn = call(kind, g, buf, topo, codec, rop, root, std::ref(ep));
+  if constexpr (G::ordered) g.submit(fn, label(kind, topo, codec)).wait();
+  else g.run(fn);
+}
+
+// Asynchronous: the request completes when the call has finished on this rank.
+template <class G, class T, class C, class Epilogue>
+request run_later(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue ep) {
+  return g.submit(call(kind, g, buf, topo, codec, rop, root, std::move(ep)), label(kind, topo, codec));
+}
+
+inline void check_root(int root, int size, int rank) {
+  if (root < 0 || root >= size)
+    throw error(errc::invalid_argument, "broadcast", rank, -1,
+                "root " + std::to_string(root) + " outside a group of " + std::to_string(size));
+}
+
 }  // namespace detail
 
 // ---- all_reduce -------------------------------------------------------------------------------
@@ -58,11 +100,7 @@ void check_sizes(const G& g, const char* op, std::size_t in, std::size_t out, st
 template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
 void all_reduce(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                 reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
-  g.run([&] {
-    auto d = detail::describe(detail::op_kind::all_reduce, g, topo, codec, op);
-    auto s = topology::all_reduce_schedule(topo, g.rank(), g.size());
-    detail::run_schedule(g, s, buf, codec, d, ep);
-  });
+  detail::run_now(detail::op_kind::all_reduce, g, buf, topo, codec, op, -1, ep);
 }
 
 template <topology::topology T = topology::ring, codec::codec C = codec::fp32, transport::transport Tr>
@@ -75,11 +113,7 @@ void all_reduce(group<Tr>& g, std::span<float> buf, reduce_op op = reduce_op::su
 template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
 request all_reduce_async(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                          reduce_op op = reduce_op::sum, Epilogue ep = {}) {
-  return g.submit([&g, buf, topo, &codec, op, ep]() mutable {
-    auto d = detail::describe(detail::op_kind::all_reduce, g, topo, codec, op);
-    auto s = topology::all_reduce_schedule(topo, g.rank(), g.size());
-    detail::run_schedule(g, s, buf, codec, d, ep);
-  });
+  return detail::run_later(detail::op_kind::all_reduce, g, buf, topo, codec, op, -1, std::move(ep));
 }
 
 // ---- reduce_scatter ---------------------------------------------------------------------------
@@ -89,11 +123,13 @@ request all_reduce_async(group<Tr>& g, std::span<float> buf, const T& topo, C& c
 template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
 void reduce_scatter_inplace(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                             reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
-  g.run([&] {
-    auto d = detail::describe(detail::op_kind::reduce_scatter, g, topo, codec, op);
-    auto s = topo.reduce_scatter(g.rank(), g.size());
-    detail::run_schedule(g, s, buf, codec, d, ep);
-  });
+  detail::run_now(detail::op_kind::reduce_scatter, g, buf, topo, codec, op, -1, ep);
+}
+
+template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+request reduce_scatter_inplace_async(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
+                                     reduce_op op = reduce_op::sum, Epilogue ep = {}) {
+  return detail::run_later(detail::op_kind::reduce_scatter, g, buf, topo, codec, op, -1, std::move(ep));
 }
 
 // in: size * m elements, out: m elements (chunk `rank` of the reduction). in is not modified.
@@ -101,11 +137,14 @@ template <transport::transport Tr, topology::topology T, codec::codec C>
 void reduce_scatter(group<Tr>& g, std::span<const float> in, std::span<float> out, const T& topo, C& codec,
                     reduce_op op = reduce_op::sum) {
   detail::check_sizes(g, "reduce_scatter", in.size(), out.size(), out.size(), "input", "output");
-  std::vector<float> work(in.begin(), in.end());
+  auto& sp = g.space();
+  auto mem = sp.allocate(in.size() * sizeof(float));  // the working copy, in the group's space
+  float* work = reinterpret_cast<float*>(mem.data());
+  sp.copy(work, in.data(), in.size() * sizeof(float));
   const std::size_t m = out.size(), r = static_cast<std::size_t>(g.rank());
-  reduce_scatter_inplace(g, std::span<float>(work), topo, codec, op,
+  reduce_scatter_inplace(g, std::span<float>(work, in.size()), topo, codec, op,
                          [&](std::size_t first, std::size_t count) {
-                           std::copy_n(work.data() + first, count, out.data() + (first - r * m));
+                           sp.copy(out.data() + (first - r * m), work + first, count * sizeof(float));
                          });
 }
 
@@ -114,18 +153,19 @@ void reduce_scatter(group<Tr>& g, std::span<const float> in, std::span<float> ou
 // buf holds n elements cut into size chunks; this rank's chunk is its input, the rest is filled.
 template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
 void all_gather_inplace(group<Tr>& g, std::span<float> buf, const T& topo, C& codec, Epilogue&& ep = {}) {
-  g.run([&] {
-    auto d = detail::describe(detail::op_kind::all_gather, g, topo, codec, reduce_op::sum);
-    auto s = topo.all_gather(g.rank(), g.size());
-    detail::run_schedule(g, s, buf, codec, d, ep);
-  });
+  detail::run_now(detail::op_kind::all_gather, g, buf, topo, codec, reduce_op::sum, -1, ep);
+}
+
+template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+request all_gather_inplace_async(group<Tr>& g, std::span<float> buf, const T& topo, C& codec, Epilogue ep = {}) {
+  return detail::run_later(detail::op_kind::all_gather, g, buf, topo, codec, reduce_op::sum, -1, std::move(ep));
 }
 
 // in: m elements, out: size * m elements, rank r's input at [r*m, (r+1)*m).
 template <transport::transport Tr, topology::topology T, codec::codec C>
 void all_gather(group<Tr>& g, std::span<const float> in, std::span<float> out, const T& topo, C& codec) {
   detail::check_sizes(g, "all_gather", out.size(), in.size(), in.size(), "output", "input");
-  std::copy(in.begin(), in.end(), out.begin() + static_cast<std::ptrdiff_t>(in.size() * static_cast<std::size_t>(g.rank())));
+  g.space().copy(out.data() + in.size() * static_cast<std::size_t>(g.rank()), in.data(), in.size() * sizeof(float));
   all_gather_inplace(g, out, topo, codec);
 }
 
@@ -136,28 +176,25 @@ void all_gather(group<Tr>& g, std::span<const float> in, std::span<float> out, c
 // ranks hold the same bits.
 template <transport::transport Tr, topology::topology T, codec::codec C>
 void broadcast(group<Tr>& g, std::span<float> buf, int root, const T& topo, C& codec) {
-  if (root < 0 || root >= g.size())
-    throw error(errc::invalid_argument, "broadcast", g.rank(), -1,
-                "root " + std::to_string(root) + " outside a group of " + std::to_string(g.size()));
-  g.run([&] {
-    auto d = detail::describe(detail::op_kind::broadcast, g, topo, codec, reduce_op::sum, root);
-    auto s = topology::broadcast_schedule(topo, root, g.rank(), g.size());
-    no_epilogue ep;
-    detail::run_schedule(g, s, buf, codec, d, ep);
-  });
+  detail::check_root(root, g.size(), g.rank());
+  detail::run_now(detail::op_kind::broadcast, g, buf, topo, codec, reduce_op::sum, root, no_epilogue{});
+}
+
+template <transport::transport Tr, topology::topology T, codec::codec C>
+request broadcast_async(group<Tr>& g, std::span<float> buf, int root, const T& topo, C& codec) {
+  detail::check_root(root, g.size(), g.rank());
+  return detail::run_later(detail::op_kind::broadcast, g, buf, topo, codec, reduce_op::sum, root, no_epilogue{});
 }
 
 template <transport::transport Tr, topology::topology T = topology::ring>
 void barrier(group<Tr>& g, const T& topo = {}) {
-  // One value per rank: each chunk is non-empty, so every rank waits for every other.
-  std::vector<float> token(static_cast<std::size_t>(g.size()), 0.0f);
+  // One value per rank: each chunk is non-empty, so every rank waits for every other. The values
+  // are never read, so the space's memory needs no initialising.
+  const auto n = static_cast<std::size_t>(g.size());
+  auto token = g.space().allocate(n * sizeof(float));
   codec::fp32 c;
-  g.run([&] {
-    auto d = detail::describe(detail::op_kind::barrier, g, topo, c, reduce_op::sum);
-    auto s = topology::all_reduce_schedule(topo, g.rank(), g.size());
-    no_epilogue ep;
-    detail::run_schedule(g, s, std::span<float>(token), c, d, ep);
-  });
+  detail::run_now(detail::op_kind::barrier, g, std::span<float>(reinterpret_cast<float*>(token.data()), n), topo, c,
+                  reduce_op::sum, -1, no_epilogue{});
 }
 
 }  // namespace lockstep

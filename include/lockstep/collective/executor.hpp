@@ -1,25 +1,30 @@
-// lockstep/collective/executor.hpp: the one piece of code that walks a schedule.
+// lockstep/collective/executor.hpp: the one piece of code that walks a schedule, on every transport
+// and in every execution space (host threads, a CPU stream, a CUDA stream).
 //
-// For one rank, run_schedule takes the schedule its topology produced, a buffer of fp32 values, a
-// codec and a transport, and moves chunks as the steps say. Per step, the send span and the
-// receive span are cut into segments (a multiple of the codec's block, about segment_bytes each)
-// and interleaved: encode segment k and post it, then decode-add (or copy) received segment k - 4;
-// so the neighbour decodes early segments while this rank still encodes later ones, and message
-// latencies within a step overlap. Values are summed in fp32 only; a lossy
-// codec quantises each partial sum once, when it is sent, and the final value once, when its owner
-// sends it to the all-gather. The wire bytes of a chunk are kept in the group's scratch and
-// forwarded unchanged by later all-gather steps, so no value is quantised twice in that phase, and
-// the owner replaces its own values by their decoded wire image, so every rank ends bitwise equal.
+// For one rank, schedule_run takes the schedule its topology produced, a buffer of fp32 values, a
+// codec and a group, and moves chunks as the steps say. The element work (encode, decode-add, copy,
+// divide) goes through the group's execution space (core/space.hpp): done at once on the host,
+// enqueued on a stream elsewhere; the messages go through the transport's small interface, read
+// with consume() wherever the transport holds them. Nothing here branches on a transport or a space
+// except through three stated properties: the segment size (a stream-ordered transport sends a
+// chunk as one message), how many sends run ahead of the receives (collective/pipeline.hpp), and
+// whether headers are exchanged (not on a stream: reading one needs the peer's stream to have run).
+//
+// Values are summed in fp32 only; a lossy codec quantises each partial sum once, when it is sent,
+// and the final value once, when its owner sends it to the all-gather. The wire bytes of a chunk
+// are kept in the group's scratch and forwarded unchanged by later all-gather steps, so no value is
+// quantised twice in that phase, and the owner replaces its own values by their decoded wire image,
+// so every rank ends bitwise equal.
 //
 // Each rank sends every peer it will send to a header (op, count, codec, topology, root, segment
 // size, call number) and checks the header of every peer it will receive from before it posts a
 // receive, reads, encodes or finalises anything: a mismatch between ranks is an error naming both
 // sides, never a truncation or a hang, and a failing call leaves this rank's buffer and its
 // error-feedback residuals untouched. Only the first step's fp32 sends go out beside the headers
-// (they change nothing here, and the peer reads them only after checking our header), which
-// saves the round the headers would otherwise take on their own. (Checking each header lazily,
-// just before that peer's data is used, let a rank run epilogues in a call that then fails; it
-// was tried and dropped.)
+// (they change nothing here, and the peer reads them only after checking our header), which saves
+// the round the headers would otherwise take on their own. (Checking each header lazily, just before
+// that peer's data is used, let a rank run epilogues in a call that then fails; it was tried and
+// dropped.)
 #pragma once
 
 #include <algorithm>
@@ -33,12 +38,15 @@
 #include "../topology/concept.hpp"
 #include "../transport/concept.hpp"
 #include "group.hpp"
+#include "pipeline.hpp"
 
 namespace lockstep {
 
 enum class reduce_op : std::uint32_t { sum = 0, average = 1 };
 
-// Called with (first, count) for every element range that is final on this rank.
+// Called with (first, count) for every element range that is final on this rank. On a
+// stream-ordered group it is called when the range's last work has been enqueued, and enqueues its
+// own work on the group's stream.
 struct no_epilogue {
   constexpr void operator()(std::size_t, std::size_t) const noexcept {}
 };
@@ -106,254 +114,335 @@ inline std::string describe_mismatch(const wire_header& mine, const wire_header&
 }
 
 template <transport::transport T, codec::codec C, class Epilogue>
-void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf, C& codec,
-                  const op_desc& op, Epilogue& ep) {
-  using topology::action;
-  using topology::phase;
-  T& t = g.transport();
-  const int rank = g.rank(), size = g.size();
-  const std::size_t n = buf.size();
-  float* const x = buf.data();
-  constexpr bool identity = C::identity;
+class schedule_run {
+  using space_type = transport::space_of<T>;
+  static constexpr bool identity = C::identity;
+  // On a stream nothing can be read on the host before the stream has run: no headers (see above).
+  static constexpr bool exchanges_headers = !space_type::ordered;
 
-  if (!x && n) throw error(errc::invalid_argument, op.label, rank, -1, "null buffer with " + std::to_string(n) + " elements");
-  if (n > max_count) throw error(errc::invalid_argument, op.label, rank, -1, "count " + std::to_string(n) + " overflows the wire format");
-
-  const std::size_t block = std::max<std::size_t>(1, codec.block());
-  const std::size_t seg_bytes = g.segment_bytes();
-  const std::size_t seg = std::max(block, seg_bytes / sizeof(float) / block * block);
-  const std::uint64_t seq = g.next_sequence();
-
-  // Wire layout in scratch: chunk c's segments back to back, each encoded on its own.
-  const std::uint32_t chunks = s.chunks;
-  auto chunk_of = [&](std::uint32_t c) { return chunk_range(n, chunks, c); };
-  auto chunk_wire = [&](std::size_t len) { return len / seg * codec.wire_bytes(seg) + codec.wire_bytes(len % seg); };
-  std::vector<std::size_t> wire_off(chunks + 1, 0);
-  for (std::uint32_t c = 0; c < chunks; ++c) {
-    auto [lo, hi] = chunk_of(c);
-    wire_off[c + 1] = wire_off[c] + chunk_wire(hi - lo);
-  }
-  std::byte* const wire = g.scratch(wire_off[chunks]);
-  // The fp32 wire is the values themselves: messages carry exactly 4n bytes, unpadded.
-  auto msg_bytes = [&](std::size_t len) { return identity ? len * sizeof(float) : codec.wire_bytes(len); };
-
+  // A piece of a chunk that travels as one message.
   struct segment {
     std::size_t lo, len;  // elements [lo, lo + len) of the buffer
     std::byte* wire;      // where its wire image lives in scratch
     std::uint32_t chunk;
     bool last;            // last segment of its chunk
   };
-  auto cut = [&](topology::chunk_span span, std::vector<segment>& out) {
+
+ public:
+  schedule_run(group<T>& g, const topology::schedule& s, std::span<float> buf, C& codec, const op_desc& op, Epilogue& ep)
+      : g_(g), t_(g.transport()), sp_(g.space()), s_(s), x_(buf.data()), n_(buf.size()), codec_(codec), op_(op), ep_(ep),
+        rank_(g.rank()), size_(g.size()) {}
+
+  // The algorithm. Every rank walks its schedule; per step it posts the step's receives, sends each
+  // segment of its send span (reduce-scatter: encoded from the running partial sums; all-gather and
+  // scatter: wire bytes forwarded unchanged), and, `ahead` segments behind, reads each received
+  // segment: a reduce step adds it into the partial sum, a copy step puts the final value in place
+  // and hands each completed chunk to the epilogue. Before the first step that is not part of the
+  // reduce-scatter, this rank's own chunk is final: finalize_owned averages it, replaces it by its
+  // wire image (so every rank ends with the same bits) and hands it to the epilogue.
+  void run() {
+    validate();
+    seq_ = g_.next_sequence();
+    lay_out_wire();
+    try {
+      post_headers();
+      if (op_.kind == op_kind::broadcast && rank_ == op_.root) finalize_broadcast_root();
+      const std::size_t final_at = owns() ? pipeline::finalize_step(s_) : s_.steps.size() + 1;
+      for (std::size_t si = 0; si < s_.steps.size(); ++si) {
+        if (si == final_at) finalize_owned();
+        run_step(si);
+      }
+      if (final_at == s_.steps.size()) finalize_owned();
+      check_headers();  // a rank that only sends: a mismatch is reported, not waited out
+      wait_header_sends();
+    } catch (const error& e) {
+      // Tell the others (inproc wakes them at once) and say where we were. Sends still pending are
+      // settled by their requests' destructors on the way out (transport/concept.hpp).
+      t_.abort(e.what());
+      if (e.op() == op_.label) throw;
+      throw error(e.code(), op_.label, rank_, e.peer(), e.detail());
+    }
+  }
+
+ private:
+  // ---- set-up ----------------------------------------------------------------------------------
+
+  void validate() const {
+    if (!x_ && n_) throw fail(errc::invalid_argument, -1, "null buffer with " + std::to_string(n_) + " elements");
+    if (n_ > max_count) throw fail(errc::invalid_argument, -1, "count " + std::to_string(n_) + " overflows the wire format");
+  }
+
+  // Wire layout in scratch: chunk c's segments back to back, each encoded on its own.  // (chunk)
+  void lay_out_wire() {
+    seg_ = pipeline::segment_elems(codec_.block(), g_.segment_bytes());
+    wire_off_.assign(s_.chunks + 1, 0);
+    for (std::uint32_t c = 0; c < s_.chunks; ++c) {
+      const auto [lo, hi] = chunk(c);
+      const std::size_t len = hi - lo, full = len / seg_;
+      wire_off_[c + 1] = wire_off_[c] + (full ? full * codec_.wire_bytes(seg_) : 0) + codec_.wire_bytes(len % seg_);
+    }
+    wire_ = g_.scratch(wire_off_[s_.chunks]);
+  }
+
+  // Headers to every peer we send to, from every peer we receive from; checked before anything of
+  // ours changes (check_headers).
+  void post_headers() {
+    if constexpr (exchanges_headers) {
+      mine_.kind = static_cast<std::uint32_t>(op_.kind);
+      mine_.codec_id = codec_.id();
+      mine_.topology_id = op_.topology_id;
+      mine_.rop = static_cast<std::uint32_t>(op_.rop);
+      mine_.root = op_.root;
+      mine_.count = n_;
+      mine_.segment = seg_;
+      mine_.seq = seq_;
+      for (const auto& st : s_.steps) {
+        if (st.send_peer >= 0 && std::find(to_.begin(), to_.end(), st.send_peer) == to_.end()) to_.push_back(st.send_peer);
+        if (st.recv_peer >= 0 && std::find(from_.begin(), from_.end(), st.recv_peer) == from_.end()) from_.push_back(st.recv_peer);
+      }
+      const std::uint32_t header_tag = (1u << 24) | tag();
+      for (int p : to_) header_sends_.push_back(t_.isend(p, header_tag, &mine_, sizeof mine_));
+      theirs_.resize(from_.size());
+      for (std::size_t i = 0; i < from_.size(); ++i)
+        header_recvs_.push_back(t_.irecv(from_[i], header_tag, &theirs_[i], sizeof(wire_header)));
+    }
+    headers_checked_ = !exchanges_headers;
+  }
+
+  void check_headers() {
+    if (headers_checked_) return;
+    headers_checked_ = true;
+    for (std::size_t i = 0; i < from_.size(); ++i) {
+      if (!t_.wait(header_recvs_[i], g_.deadline()))
+        throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0));
+      const std::string why = describe_mismatch(mine_, theirs_[i]);
+      if (!why.empty()) throw fail(errc::mismatch, from_[i], why);
+    }
+  }
+
+  void wait_header_sends() {
+    for (std::size_t i = 0; i < header_sends_.size(); ++i)
+      if (!t_.wait(header_sends_[i], g_.deadline()))
+        throw fail(errc::timeout, to_[i], timeout_text("receipt of the header by the peer", s_.steps.size()));
+  }
+
+  // ---- one step --------------------------------------------------------------------------------
+
+  void run_step(std::size_t si) {
+    const topology::step& st = s_.steps[si];
+    sends_.clear();
+    recvs_.clear();
+    if (st.send_peer >= 0) cut(st.send, sends_);
+    if (st.recv_peer >= 0) cut(st.recv, recvs_);
+    send_reqs_.clear();
+    recv_reqs_.clear();
+    posted_ = false;
+    group_begin();
+    if (headers_checked_) post_receives(st);
+    const std::size_t ahead = pipeline::sends_ahead(identity, sends_.size(), space_type::ordered);
+    std::size_t received = 0;
+    for (std::size_t k = 0; k < sends_.size(); ++k) {
+      send_segment(st, sends_[k]);
+      while (received < recvs_.size() && received + ahead <= k) receive(st, si, received++);
+    }
+    group_end();
+    while (received < recvs_.size()) receive(st, si, received++);
+    check_headers();
+    wait_sends(st, si);
+  }
+
+  // Headers checked, then this step's receives posted: at the top of the step, or in the first
+  // step just before the first encode or receive. MPI starts copying a matched message into the
+  // buffer while it waits for anything, so nothing is posted before the headers are known good.
+  void post_receives(const topology::step& st) {
+    check_headers();
+    if (posted_) return;
+    posted_ = true;
+    const bool reduce = st.act == topology::action::reduce;
+    for (const segment& sg : recvs_) recv_reqs_.push_back(t_.irecv(st.recv_peer, tag(), landing(sg, reduce), msg_bytes(sg.len)));
+  }
+
+  // Reduce-scatter: encode the running partial sum (error feedback: through its residual), then
+  // send. Other phases forward the wire bytes as they are. fp32 sends the values themselves.
+  void send_segment(const topology::step& st, const segment& sg) {
+    const void* src = x_ + sg.lo;
+    if constexpr (!identity) {
+      post_receives(st);
+      if (st.phase == topology::phase::reduce_scatter) encode(sg, 0);
+      src = sg.wire;
+    }
+    // A copy step's bytes (final values, or wire bytes being forwarded) are not written again in
+    // this call, and the receiver copies them: a transport that can let it read them here is told so.
+    const bool reduce = st.act == topology::action::reduce;
+    send_reqs_.push_back([&] {
+      if constexpr (requires { t_.isend_in_place(st.send_peer, tag(), src, msg_bytes(sg.len)); })
+        if (!reduce) return t_.isend_in_place(st.send_peer, tag(), src, msg_bytes(sg.len));
+      return t_.isend(st.send_peer, tag(), src, msg_bytes(sg.len));
+    }());
+  }
+
+  void receive(const topology::step& st, std::size_t si, std::size_t k) {
+    post_receives(st);
+    if (st.act == topology::action::reduce) recv_reduce(st, si, k);
+    else recv_copy(st, si, k);
+  }
+
+  // The peer's partial sum, added into ours where the transport holds it.
+  void recv_reduce(const topology::step& st, std::size_t si, std::size_t k) {
+    const segment& sg = recvs_[k];
+    if (!t_.consume(recv_reqs_[k], g_.deadline(), [&](const std::byte* data) { sp_.decode_add(codec_, data, sg.len, x_ + sg.lo); }))
+      throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+  }
+
+  // Final values: copied into place (where a plain receive would have put them) unless they are
+  // there already, and decoded; the wire bytes stay in scratch for a later step to forward.
+  void recv_copy(const topology::step& st, std::size_t si, std::size_t k) {
+    const segment& sg = recvs_[k];
+    void* const dst = landing(sg, false);
+    const bool got = t_.consume(recv_reqs_[k], g_.deadline(), [&](const std::byte* data) {
+      if (static_cast<const void*>(data) != dst) sp_.copy(dst, data, msg_bytes(sg.len));
+      if constexpr (!identity) sp_.decode(codec_, sg.wire, sg.len, x_ + sg.lo);
+    });
+    if (!got) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+    if (sg.last) {
+      const auto [lo, hi] = chunk(sg.chunk);
+      ep_(lo, hi - lo);
+    }
+  }
+
+  void wait_sends(const topology::step& st, std::size_t si) {
+    for (auto& r : send_reqs_)
+      if (!t_.wait(r, g_.deadline())) {
+        // Where the transport tells (inproc: a send completes when the peer takes it), say whether
+        // the peer ever took our header, i.e. entered this collective at all. Over MPI a small send
+        // completes on its own (eager protocol), which tells nothing.
+        const char* what = "receipt of sent data by the peer";
+        if constexpr (requires { requires T::send_completion_means_taken; }) {
+          const auto i = static_cast<std::size_t>(std::find(to_.begin(), to_.end(), st.send_peer) - to_.begin());
+          if (i < header_sends_.size() && !t_.wait(header_sends_[i], transport::clock::now()))
+            what = "receipt of sent data by the peer: it has not entered this collective (it has not taken this rank's header)";
+        }
+        throw fail(errc::timeout, st.send_peer, timeout_text(what, si));
+      }
+  }
+
+  // ---- what becomes final ----------------------------------------------------------------------
+
+  bool gathers() const { return op_.kind == op_kind::all_reduce || op_.kind == op_kind::all_gather; }
+  bool owns() const { return gathers() || op_.kind == op_kind::reduce_scatter; }
+
+  // This rank's chunk after the reduce-scatter: averaged, replaced by its wire image (its wire
+  // bytes are what the all-gather forwards), handed to the epilogue.
+  void finalize_owned() {
+    check_headers();
+    const std::size_t lo = chunk(s_.owned.first).first, hi = chunk(s_.owned.end() - 1).second;
+    if (op_.rop == reduce_op::average && op_.kind != op_kind::all_gather && hi > lo)
+      sp_.divide(x_ + lo, hi - lo, static_cast<float>(size_));
+    if (gathers()) settle(s_.owned, 1);
+    if (hi > lo) ep_(lo, hi - lo);
+  }
+
+  // A broadcast root holds the final values from the start: the whole buffer becomes its wire image.
+  void finalize_broadcast_root() {
+    check_headers();
+    settle({0, s_.chunks}, 2);
+    if (n_) ep_(0, n_);
+  }
+
+  void settle(topology::chunk_span span, int ef_phase) {
+    if (identity || size_ < 2) return;
+    cut(span, sends_);
+    for (const segment& sg : sends_) {
+      encode(sg, ef_phase);
+      sp_.decode(codec_, sg.wire, sg.len, x_ + sg.lo);
+    }
+  }
+
+  // ---- helpers ---------------------------------------------------------------------------------
+
+  std::pair<std::size_t, std::size_t> chunk(std::uint32_t c) const { return chunk_range(n_, s_.chunks, c); }
+
+  void cut(topology::chunk_span span, std::vector<segment>& out) const {
     out.clear();
     for (std::uint32_t c = span.first; c < span.end(); ++c) {
-      auto [lo, hi] = chunk_of(c);
-      std::byte* w = wire + wire_off[c];
-      for (std::size_t a = lo; a < hi; a += seg) {
-        const std::size_t len = std::min(seg, hi - a);
+      const auto [lo, hi] = chunk(c);
+      std::byte* w = wire_ + wire_off_[c];
+      for (std::size_t a = lo, len = 0; a < hi; a += len) {  // a += seg_ could wrap (whole_chunk)
+        len = std::min(seg_, hi - a);
         out.push_back({a, len, w, c, a + len == hi});
-        w += codec.wire_bytes(len);
+        w += codec_.wire_bytes(len);
       }
     }
-  };
-  auto encode = [&](const segment& sg, int ef_phase) {
-    if constexpr (codec::feedback_codec<C>)
-      codec.encode_with_residual(x + sg.lo, sg.len, sg.wire, codec.residual(x, n, ef_phase) + sg.lo);
-    else
-      codec.encode(x + sg.lo, sg.len, sg.wire);
-  };
-
-  auto fail = [&](errc code, int peer, const std::string& what) -> error {
-    return error(code, op.label, rank, peer, what);
-  };
-  auto deadline = [&] { return g.deadline(); };
-  auto timeout_text = [&](const char* waiting, std::size_t si) {
-    return std::string("no ") + waiting + " after " + std::to_string(g.options().timeout.count()) +
-           " ms at step " + std::to_string(si) + " of " + std::to_string(s.steps.size()) + " (call #" +
-           std::to_string(seq) + ")";
-  };
-
-  // 1. Headers: to every peer we send to, from every peer we receive from. `mine` is declared
-  // before the requests that send it, so it outlives them: a request that has not completed when
-  // the call fails withdraws its message or waits for the peer that is reading it (inproc), and
-  // only then is the header's storage gone.
-  wire_header mine;
-  mine.kind = static_cast<std::uint32_t>(op.kind);
-  mine.codec_id = codec.id();
-  mine.topology_id = op.topology_id;
-  mine.rop = static_cast<std::uint32_t>(op.rop);
-  mine.root = op.root;
-  mine.count = n;
-  mine.segment = seg;
-  mine.seq = seq;
-  std::vector<typename T::request> pending_headers;
-  try {
-    std::vector<int> to, from;
-    for (const auto& st : s.steps) {
-      if (st.send_peer >= 0 && std::find(to.begin(), to.end(), st.send_peer) == to.end()) to.push_back(st.send_peer);
-      if (st.recv_peer >= 0 && std::find(from.begin(), from.end(), st.recv_peer) == from.end()) from.push_back(st.recv_peer);
-    }
-    const std::uint32_t header_tag = (1u << 24) | (static_cast<std::uint32_t>(seq & 0x7fff) << 9);
-    for (int p : to) pending_headers.push_back(t.isend(p, header_tag, &mine, sizeof mine));
-    std::vector<wire_header> theirs(from.size());
-    std::vector<typename T::request> header_recvs;
-    for (std::size_t i = 0; i < from.size(); ++i) header_recvs.push_back(t.irecv(from[i], header_tag, &theirs[i], sizeof(wire_header)));
-    // Every peer's header is checked before this rank posts a receive (MPI starts copying a
-    // matched message into the buffer while it waits for anything), reads a byte of data,
-    // encodes (error feedback would change its residuals), or runs an epilogue. Only the first
-    // step's fp32 sends go out before: they change nothing here, and a peer reads them only after
-    // checking our header. So the headers travel beside the first data instead of costing a round
-    // of their own.
-    bool headers_checked = false;
-    auto check_headers = [&] {
-      if (headers_checked) return;
-      headers_checked = true;
-      for (std::size_t i = 0; i < from.size(); ++i) {
-        if (!t.wait(header_recvs[i], deadline()))
-          throw fail(errc::timeout, from[i], timeout_text("header from the peer: it has not entered this collective", 0));
-        const std::string why = describe_mismatch(mine, theirs[i]);
-        if (!why.empty()) throw fail(errc::mismatch, from[i], why);
-      }
-    };
-
-    // 2. What this rank holds final before or after the reduce-scatter steps.
-    const bool gathers = op.kind == op_kind::all_reduce || op.kind == op_kind::all_gather;
-    const bool owns = gathers || op.kind == op_kind::reduce_scatter;
-    std::vector<segment> sends, recvs;
-    bool finalized = !owns;
-    auto finalize = [&] {
-      check_headers();
-      finalized = true;
-      auto [lo, hi] = chunk_range(n, chunks, s.owned.first);
-      hi = chunk_range(n, chunks, s.owned.end() - 1).second;
-      if (op.rop == reduce_op::average && op.kind != op_kind::all_gather) {
-        const float inv_size = static_cast<float>(size);
-        for (std::size_t i = lo; i < hi; ++i) x[i] /= inv_size;
-      }
-      if (gathers && !identity && size > 1) {
-        cut(s.owned, sends);
-        for (const segment& sg : sends) {
-          encode(sg, 1);
-          codec.decode(sg.wire, sg.len, x + sg.lo);
-        }
-      }
-      if (hi > lo) ep(lo, hi - lo);
-    };
-    auto finalize_if_due = [&](std::size_t next) {
-      if (!finalized && (next == s.steps.size() || s.steps[next].phase != phase::reduce_scatter)) finalize();
-    };
-    if (op.kind == op_kind::broadcast && rank == op.root) {
-      check_headers();
-      if (!identity && size > 1) {
-        cut({0, chunks}, sends);
-        for (const segment& sg : sends) {
-          encode(sg, 2);
-          codec.decode(sg.wire, sg.len, x + sg.lo);
-        }
-      }
-      if (n) ep(0, n);
-    }
-    finalize_if_due(0);
-
-    // 3. The steps.
-    std::vector<typename T::request> send_reqs, recv_reqs;
-    for (std::size_t si = 0; si < s.steps.size(); ++si) {
-      const topology::step& st = s.steps[si];
-      // Messages between two ranks are matched in send order (the schedule guarantees both sides
-      // agree on it), so the tag only separates calls; a step number would differ between a
-      // broadcast root's k-th send and its receiver's first step.
-      const std::uint32_t tag = static_cast<std::uint32_t>(seq & 0x7fff) << 9;
-      const bool reduce = st.act == action::reduce;
-      sends.clear();
-      recvs.clear();
-      if (st.send_peer >= 0) cut(st.send, sends);
-      if (st.recv_peer >= 0) cut(st.recv, recvs);
-      send_reqs.clear();
-      recv_reqs.clear();
-      // Headers checked, then this step's receives posted (at the top of the step, or in the
-      // first step just before the first encode or receive).
-      bool posted = false;
-      auto ready = [&] {
-        check_headers();
-        if (posted) return;
-        posted = true;
-        for (const segment& sg : recvs) {
-          void* dst = (identity && !reduce) ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
-          recv_reqs.push_back(t.irecv(st.recv_peer, tag, dst, msg_bytes(sg.len)));
-        }
-      };
-      if (headers_checked) ready();
-      // Sends run ahead of receives by `ahead` segments, so that the per-message latency of a
-      // step overlaps instead of adding up segment after segment; fp32 has nothing to encode and
-      // posts every send at once. Receive k waits only on sends posted before it on every rank,
-      // so no rank can wait on itself around the ring.
-      const std::size_t ahead = identity ? sends.size() : 4;
-      auto receive = [&](std::size_t k) {
-        ready();
-        const segment& sg = recvs[k];
-        // Reduce steps add from wherever the bytes are; copy steps copy them into place (where a
-        // plain receive would have put them) unless they are there already.
-        void* const dst = (identity && !reduce) ? static_cast<void*>(x + sg.lo) : static_cast<void*>(sg.wire);
-        const bool got = t.consume(recv_reqs[k], deadline(), [&](const std::byte* data) {
-          if (reduce) {
-            codec.decode_add(data, sg.len, x + sg.lo);
-            return;
-          }
-          if (static_cast<const void*>(data) != dst) std::memcpy(dst, data, msg_bytes(sg.len));
-          if constexpr (!identity) codec.decode(sg.wire, sg.len, x + sg.lo);
-        });
-        if (!got) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
-        if (!reduce && sg.last) {
-          auto [lo, hi] = chunk_of(sg.chunk);
-          ep(lo, hi - lo);
-        }
-      };
-      std::size_t received = 0;
-      for (std::size_t k = 0; k < sends.size(); ++k) {
-        const segment& sg = sends[k];
-        const void* src = x + sg.lo;
-        if constexpr (!identity) {
-          ready();
-          if (st.phase == phase::reduce_scatter) encode(sg, 0);
-          src = sg.wire;
-        }
-        // A copy step's bytes (final values, or wire bytes being forwarded) are not written again
-        // in this call, and the receiver copies them: a transport that can let it read them here
-        // is told so.
-        send_reqs.push_back([&] {
-          if constexpr (requires { t.isend_in_place(st.send_peer, tag, src, msg_bytes(sg.len)); })
-            if (!reduce) return t.isend_in_place(st.send_peer, tag, src, msg_bytes(sg.len));
-          return t.isend(st.send_peer, tag, src, msg_bytes(sg.len));
-        }());
-        while (received < recvs.size() && received + ahead <= k) receive(received++);
-      }
-      while (received < recvs.size()) receive(received++);
-      check_headers();  // a step that only sends: a mismatch is reported, not waited out
-      for (auto& r : send_reqs)
-        if (!t.wait(r, deadline())) {
-          // Where the transport tells (inproc: a send completes when the peer takes it), say
-          // whether the peer ever took our header, i.e. entered this collective at all. Over MPI
-          // a small send completes on its own (eager protocol), which tells nothing.
-          const char* what = "receipt of sent data by the peer";
-          if constexpr (requires { requires T::send_completion_means_taken; }) {
-            const auto i = static_cast<std::size_t>(std::find(to.begin(), to.end(), st.send_peer) - to.begin());
-            if (!t.wait(pending_headers[i], transport::clock::now()))
-              what = "receipt of sent data by the peer: it has not entered this collective (it has not taken this rank's header)";
-          }
-          throw fail(errc::timeout, st.send_peer, timeout_text(what, si));
-        }
-      finalize_if_due(si + 1);
-    }
-    check_headers();
-    for (std::size_t i = 0; i < pending_headers.size(); ++i)
-      if (!t.wait(pending_headers[i], deadline()))
-        throw fail(errc::timeout, to[i], timeout_text("receipt of the header by the peer", s.steps.size()));
-  } catch (const error& e) {
-    // Tell the others (inproc wakes them at once) and say where we were. Sends still pending are
-    // settled by their requests' destructors on the way out (see above).
-    t.abort(e.what());
-    if (e.op() == op.label) throw;
-    throw error(e.code(), op.label, rank, e.peer(), e.detail());
   }
+
+  // The fp32 wire is the values themselves: messages carry exactly 4n bytes, unpadded.
+  std::size_t msg_bytes(std::size_t len) const { return identity ? len * sizeof(float) : codec_.wire_bytes(len); }
+  // Where a plain receive puts a segment: the values themselves for an fp32 copy, else its wire slot.
+  void* landing(const segment& sg, bool reduce) const {
+    return (identity && !reduce) ? static_cast<void*>(x_ + sg.lo) : static_cast<void*>(sg.wire);
+  }
+
+  void encode(const segment& sg, int ef_phase) {
+    float* r = nullptr;
+    if constexpr (codec::feedback_codec<C>) {
+      if constexpr (space_type::ordered) r = g_.residual(codec_, x_, n_, ef_phase) + sg.lo;
+      else r = codec_.residual(x_, n_, ef_phase) + sg.lo;
+    }
+    sp_.encode(codec_, x_ + sg.lo, sg.len, sg.wire, r);
+  }
+
+  // Messages between two ranks are matched in send order (the schedule guarantees both sides agree
+  // on it), so the tag only separates calls; a step number would differ between a broadcast root's
+  // k-th send and its receiver's first step.
+  std::uint32_t tag() const { return static_cast<std::uint32_t>(seq_ & 0x7fff) << 9; }
+
+  void group_begin() {
+    if constexpr (requires { t_.group_begin(); }) t_.group_begin();
+  }
+  void group_end() {
+    if constexpr (requires { t_.group_end(); }) t_.group_end();
+  }
+
+  error fail(errc code, int peer, const std::string& what) const { return error(code, op_.label, rank_, peer, what); }
+  std::string timeout_text(const char* waiting, std::size_t si) const {
+    return std::string("no ") + waiting + " after " + std::to_string(g_.options().timeout.count()) + " ms at step " +
+           std::to_string(si) + " of " + std::to_string(s_.steps.size()) + " (call #" + std::to_string(seq_) + ")";
+  }
+
+  group<T>& g_;
+  T& t_;
+  space_type& sp_;
+  const topology::schedule& s_;
+  float* const x_;
+  const std::size_t n_;
+  C& codec_;
+  const op_desc& op_;
+  Epilogue& ep_;
+  const int rank_, size_;
+
+  std::uint64_t seq_ = 0;
+  std::size_t seg_ = 1;
+  std::vector<std::size_t> wire_off_;  // (chunk + 1)
+  std::byte* wire_ = nullptr;
+
+  // Header exchange. `mine_` outlives the requests that send it: a request that has not completed
+  // when the call fails withdraws its message or waits for the peer reading it, and only then is
+  // the header's storage gone (members are destroyed in reverse order).
+  wire_header mine_;
+  std::vector<int> to_, from_;
+  std::vector<wire_header> theirs_;
+  std::vector<typename T::request> header_sends_, header_recvs_;
+  bool headers_checked_ = false;
+
+  std::vector<segment> sends_, recvs_;
+  std::vector<typename T::request> send_reqs_, recv_reqs_;
+  bool posted_ = false;
+};
+
+template <transport::transport T, codec::codec C, class Epilogue>
+void run_schedule(group<T>& g, const topology::schedule& s, std::span<float> buf, C& codec, const op_desc& op,
+                  Epilogue& ep) {
+  schedule_run<T, C, Epilogue>(g, s, buf, codec, op, ep).run();
 }
 
 }  // namespace detail

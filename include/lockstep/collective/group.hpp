@@ -1,26 +1,37 @@
 // lockstep/collective/group.hpp: a group of ranks over a transport, and the order its collectives
-// run in.
+// run in. One group for every transport; what differs is the transport's execution space:
 //
-// Collectives on one group run one at a time and in call order on every rank (that order is what
-// matches them across ranks). A blocking call with nothing queued runs on the caller's thread; an
-// asynchronous call, or a blocking call behind one, runs on the group's worker thread, so backward
-// can go on while gradients travel. Each group owns the scratch memory its collectives encode into.
+//   host transports (inproc, mpi)   the work is done by the thread that runs the collective. A
+//                                   blocking call with nothing queued runs on the caller's thread;
+//                                   an asynchronous call, or a blocking call behind one, runs on the
+//                                   group's worker thread, so backward goes on while gradients travel.
+//   stream-ordered transports       the work is enqueued on the transport's stream and the call
+//   (inproc_device, nccl,           returns; the stream is the queue, so there is no worker: an
+//    inproc_deferred)               asynchronous call's request is an event recorded behind it.
+//
+// Either way collectives on one group run one at a time and in call order on every rank (that order
+// is what matches them across ranks). Each group owns the scratch memory its collectives encode into,
+// in its space, one buffer per nesting depth: a collective called from another's epilogue (LARS
+// all-reducing norms, say) runs at once, inside it, with scratch of its own.
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
-#include <cstdint>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "../codec/error_feedback.hpp"
 #include "../core/error.hpp"
 #include "../transport/concept.hpp"
 #include "request.hpp"
@@ -36,20 +47,35 @@ template <transport::transport T>
 class group {
  public:
   using transport_type = T;
+  using space_type = transport::space_of<T>;
+  static constexpr bool ordered = space_type::ordered;
 
   explicit group(T t, group_options opt = {}) : s_(std::make_shared<state>(std::move(t), opt)) {}
 
   int rank() const noexcept { return s_->t.rank(); }
   int size() const noexcept { return s_->t.size(); }
   const group_options& options() const noexcept { return s_->opt; }
-  // The segment collectives pipeline large buffers in: the option, else the transport's choice.
-  std::size_t segment_bytes() const noexcept { return s_->opt.segment_bytes ? s_->opt.segment_bytes : T::segment_bytes; }
+  // The segment collectives pipeline large buffers in: the option, else the transport's choice
+  // (a stream-ordered transport's is a whole chunk, and no option cuts it).
+  std::size_t segment_bytes() const noexcept {
+    if constexpr (ordered) return T::segment_bytes;
+    return s_->opt.segment_bytes ? s_->opt.segment_bytes : T::segment_bytes;
+  }
   T& transport() noexcept { return s_->t; }
+  space_type& space() noexcept { return s_->space; }
   std::string name() const { return s_->t.name(); }
+  // The stream an ordered group's work is enqueued on.
+  auto stream() const noexcept
+    requires ordered
+  {
+    return s_->t.stream();
+  }
 
   // Collective over this group, like MPI_Comm_split: ranks of equal colour form a new group,
   // ordered by (key, rank). Runs after everything already queued on this group.
-  group split(int color, int key) {
+  group split(int color, int key)
+    requires transport::splittable<T>
+  {
     group out{T{}, s_->opt};
     run([&] { out = group(s_->t.split(color, key, deadline()), s_->opt); });
     return out;
@@ -58,8 +84,7 @@ class group {
   transport::clock::time_point deadline() const { return transport::clock::now() + s_->opt.timeout; }
 
   // Runs `fn` in this group's order: inline when nothing is queued, else after the queue drains.
-  // A collective called from inside another's epilogue (LARS all-reducing its norms, say) runs
-  // nested, at once, with scratch memory of its own.
+  // Called from inside a running collective (its epilogue), `fn` runs nested, at once.
   template <class F>
   void run(F&& fn) {
     if (s_->runner.load() == std::this_thread::get_id()) {
@@ -72,57 +97,117 @@ class group {
       return;
     }
     std::unique_lock lk(s_->m);
-    if (!s_->busy && s_->q.empty()) {
-      s_->busy = true;
-      s_->runner = std::this_thread::get_id();
+    if constexpr (ordered) {
+      // Enqueueing is the whole call: callers on several threads take turns.
+      s_->cv.wait(lk, [&] { return !s_->busy; });
+    } else if (s_->busy || !s_->q.empty()) {
       lk.unlock();
-      struct idle_on_exit {
-        state* s;
-        ~idle_on_exit() {
-          {
-            std::lock_guard g(s->m);
-            s->busy = false;
-            s->runner = std::thread::id{};
-          }
-          s->cv.notify_all();
-        }
-      } guard{s_.get()};
-      fn();
+      submit(std::function<void()>(std::forward<F>(fn)), "collective").wait();
       return;
     }
+    s_->busy = true;
+    s_->runner = std::this_thread::get_id();
     lk.unlock();
-    submit(std::function<void()>(std::forward<F>(fn))).wait();
+    struct idle_on_exit {
+      state* s;
+      ~idle_on_exit() {
+        {
+          std::lock_guard g(s->m);
+          s->busy = false;
+          s->runner = std::thread::id{};
+        }
+        s->cv.notify_all();
+      }
+    } guard{s_.get()};
+    fn();
   }
 
-  // Queues `fn` on the worker thread; the request completes when it has run.
-  request submit(std::function<void()> fn) {
-    auto st = std::make_shared<detail::request_state>();
-    {
-      std::lock_guard lk(s_->m);
-      s_->q.push_back({std::move(fn), st});
-      if (!s_->worker.joinable()) s_->worker = std::thread([s = s_.get()] { s->loop(); });
+  // The asynchronous form of run: host groups queue `fn` on the worker thread and the request
+  // completes when it has run; ordered groups run `fn` now (it only enqueues) and the request is
+  // an event behind its work. `label` names the call in a timeout.
+  request submit(std::function<void()> fn, std::string label) {
+    if constexpr (ordered) {
+      auto st = std::make_shared<detail::stream_request<space_type>>();
+      try {
+        run(fn);
+      } catch (...) {
+        st->error = std::current_exception();
+        // What was queued before the failure still reads and writes the caller's buffers: let it
+        // finish before the error can reach code that frees them.
+        s_->space.drain(deadline());
+      }
+      s_->space.record(st->done);
+      st->label = std::move(label);
+      st->rank = rank();
+      st->timeout = s_->opt.timeout;
+      st->abort = [s = s_](const std::string& why) { s->t.abort(why); };
+      return request(st);
+    } else {
+      auto st = std::make_shared<detail::request_state>();
+      {
+        std::lock_guard lk(s_->m);
+        s_->q.push_back({std::move(fn), st});
+        if (!s_->worker.joinable()) s_->worker = std::thread([s = s_.get()] { s->loop(); });
+      }
+      s_->cv.notify_all();
+      return request(st);
     }
-    s_->cv.notify_all();
-    return request(st);
   }
 
-  // Bump-allocated scratch that lives as long as the group; valid until the next call.
-  // One buffer per nesting depth, 64-byte aligned.
+  // Scratch of at least `bytes` in the group's space, 64-byte aligned, valid until the next
+  // collective at the same nesting depth. Grown by a quarter more than asked, so buckets of
+  // slightly different sizes do not reallocate every call (on a stream, the old buffer is freed
+  // behind the work that still uses it).
   std::byte* scratch(std::size_t bytes) {
-    auto& v = s_->scratch[std::min<std::size_t>(s_->depth, s_->scratch.size() - 1)];
-    if (v.size() < bytes + 64) v.assign(bytes + 64, std::byte{0});
-    auto p = reinterpret_cast<std::uintptr_t>(v.data());
-    return v.data() + ((64 - (p & 63)) & 63);
+    auto& all = s_->scratch;
+    while (all.size() <= s_->depth) all.emplace_back();
+    auto& m = all[s_->depth];
+    if (m.size() < bytes) m = s_->space.allocate(bytes + bytes / 4);
+    return m.data();
   }
+  std::size_t depth() const noexcept { return s_->depth; }
   std::uint64_t next_sequence() noexcept { return s_->seq++; }
 
+  // Error-feedback residual of (codec object, buffer, count, phase) in the group's space, zero on
+  // first use; bounded by the codec's max_buffers() as error_feedback's own residuals are.
+  template <class Codec>
+  float* residual(const Codec& ef, const void* buf, std::size_t n, int phase) {
+    const auto key = std::make_tuple(static_cast<const void*>(&ef), buf, n, phase);
+    auto it = s_->residuals.find(key);
+    if (it == s_->residuals.end()) {
+      std::size_t bound = codec::error_feedback_max_buffers;
+      if constexpr (requires { ef.max_buffers(); }) bound = ef.max_buffers();
+      if (s_->residuals.size() >= bound)
+        throw error(errc::invalid_argument, "error_feedback", rank(), -1,
+                    "residuals kept for " + std::to_string(s_->residuals.size()) +
+                        " (codec, buffer, count, phase) keys already (an all_reduce takes two per buffer): they "
+                        "are kept per buffer address, so reduce the same gradient buffers every step, or allow "
+                        "more in the codec's constructor");
+      auto mem = s_->space.allocate(n * sizeof(float));
+      zero(mem.data(), n * sizeof(float));
+      it = s_->residuals.emplace(key, std::move(mem)).first;
+    }
+    return reinterpret_cast<float*>(it->second.data());
+  }
+
  private:
+  void zero(std::byte* p, std::size_t bytes) {
+    if (!bytes) return;
+    if constexpr (requires { s_->space.zero(p, bytes); }) s_->space.zero(p, bytes);
+    else std::fill_n(p, bytes, std::byte{0});
+  }
+
   struct task {
     std::function<void()> fn;
     std::shared_ptr<detail::request_state> st;
   };
+  using memory = typename space_type::memory;
+  static space_type make_space(T& t) {
+    if constexpr (ordered) return space_type(t.stream());
+    else return space_type{};
+  }
   struct state {
-    state(T tr, group_options o) : t(std::move(tr)), opt(o) {}
+    state(T tr, group_options o) : t(std::move(tr)), opt(o), space(make_space(t)) {}
     ~state() {
       {
         std::lock_guard lk(m);
@@ -157,6 +242,7 @@ class group {
 
     T t;
     group_options opt;
+    space_type space;
     std::mutex m;
     std::condition_variable cv;
     std::deque<task> q;
@@ -164,8 +250,9 @@ class group {
     std::thread worker;
     std::atomic<std::thread::id> runner{};
     std::size_t depth = 0;
-    std::array<std::vector<std::byte>, 4> scratch;
+    std::deque<memory> scratch;  // (nesting depth)
     std::uint64_t seq = 0;
+    std::map<std::tuple<const void*, const void*, std::size_t, int>, memory> residuals;
   };
 
   std::shared_ptr<state> s_;

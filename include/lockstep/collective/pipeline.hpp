@@ -6,8 +6,10 @@
 //                                         segment_bytes; a whole chunk where segment_bytes is
 //                                         whole_chunk, as on a GPU: its kernels cover a chunk and
 //                                         it overlaps ranks, not segments)
-//   sends_ahead(identity, sends, ordered) how many segments a step sends before it reads its
-//                                         first receive (and so on, one for one)
+//   sends_ahead(identity, sends, ordered) the lag of a step's receives behind its sends: receive k
+//                                         is read once send k + ahead is posted (so 5 sends go out
+//                                         before the first read for lossy codecs; all of them
+//                                         where ahead >= the step's send count)
 //   finalize_step(schedule)               the step before which this rank's own chunk is final
 #pragma once
 

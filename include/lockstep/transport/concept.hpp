@@ -11,10 +11,19 @@
 //                                          receive's own buffer, a shared ring, the sender's memory);
 //                                          they are valid only during fn, which may throw; false when
 //                                          the deadline passed first (fn not called)
-//   t.split(color, key, deadline)          a new endpoint for the sub-group of equal colour, ranked
-//                                          by (key, old rank); collective over the group
 //   t.abort(reason)                        tell the other ranks this one failed (best effort)
 //   t.name(), T::segment_bytes             printable name; segment size that pipelines well
+// and optionally
+//   t.split(color, key, deadline)          a new endpoint for the sub-group of equal colour, ranked
+//                                          by (key, old rank); collective over the group
+//   T::space_type                          the execution space its bytes live in (space::host if
+//                                          absent); an ordered space makes a stream-ordered
+//                                          transport: every call is enqueued on t.stream(), and
+//                                          "the data is there" is a fact about the stream, never
+//                                          about the host (inproc_stream.hpp, nccl.hpp)
+//   t.group_begin(), t.group_end()         sends and receives posted in between progress together
+//                                          (NCCL's group semantics: a ring step posts its sends and
+//                                          receives as one group, or two ranks deadlock)
 // Messages between one pair of ranks with one tag are matched in the order they were sent.
 // Destroying a send request that has not completed (its collective failed) must leave the peer no
 // way to read the data afterwards: the transport withdraws the message, waits briefly for a peer
@@ -37,6 +46,8 @@
 #include <cstdint>
 #include <string>
 
+#include "../core/space.hpp"
+
 namespace lockstep::transport {
 
 using clock = std::chrono::steady_clock;
@@ -44,7 +55,7 @@ using clock = std::chrono::steady_clock;
 template <class T>
 concept transport = requires(T& t, const T& ct, int peer, std::uint32_t tag, const void* src,
                              void* dst, std::size_t bytes, typename T::request& req,
-                             clock::time_point deadline, int color, int key) {
+                             clock::time_point deadline) {
   { ct.rank() } -> std::same_as<int>;
   { ct.size() } -> std::same_as<int>;
   { ct.name() } -> std::convertible_to<std::string>;
@@ -53,8 +64,28 @@ concept transport = requires(T& t, const T& ct, int peer, std::uint32_t tag, con
   { t.irecv(peer, tag, dst, bytes) } -> std::same_as<typename T::request>;
   { t.wait(req, deadline) } -> std::same_as<bool>;
   { t.consume(req, deadline, [](const std::byte*) {}) } -> std::same_as<bool>;
-  { t.split(color, key, deadline) } -> std::same_as<T>;
   t.abort(std::string{});
 };
+
+template <class T>
+concept splittable = transport<T> && requires(T& t, int color, int key, clock::time_point deadline) {
+  { t.split(color, key, deadline) } -> std::same_as<T>;
+};
+
+namespace detail {
+template <class T>
+struct space_of {
+  using type = space::host;
+};
+template <class T>
+  requires requires { typename T::space_type; }
+struct space_of<T> {
+  using type = typename T::space_type;
+};
+}  // namespace detail
+
+// The execution space a transport's bytes live in.
+template <class T>
+using space_of = typename detail::space_of<T>::type;
 
 }  // namespace lockstep::transport

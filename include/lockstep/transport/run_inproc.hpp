@@ -3,10 +3,17 @@
 // run_inproc(n, f) builds a world of n in-process ranks, calls f(group) on a thread per rank, and
 // rethrows the first real failure once every thread has ended. A rank that throws aborts the
 // world, so the others leave their waits at once (with errc::aborted) instead of at the timeout.
+//
+// run_inproc_deferred(n, f) does the same over inproc_deferred: each rank's work is queued on a
+// host_stream of its own, exactly as run_inproc_device queues it on a CUDA stream, so the
+// stream-ordered path of the executor, the group and the transport runs on the CPU. Each rank's
+// stream is drained before its thread ends, so asynchronous failures surface here.
 #pragma once
 
 #include "../collective/group.hpp"
+#include "../core/host_stream.hpp"
 #include "inproc.hpp"
+#include "inproc_stream.hpp"
 
 namespace lockstep {
 
@@ -16,6 +23,19 @@ void run_inproc(int n, F&& f, group_options opt = {}) {
   transport::detail::run_ranks(n, *world, [&](int r) {
     group<transport::inproc> g(transport::inproc(world, r), opt);
     f(g);
+  });
+}
+
+template <class F>
+void run_inproc_deferred(int n, F&& f, group_options opt = {}) {
+  auto world = transport::inproc_deferred::make_world(n);
+  transport::detail::run_ranks(n, *world, [&](int r) {
+    host_stream s(opt.timeout);  // declared before the group: the group frees its scratch on it
+    {
+      group<transport::inproc_deferred> g(transport::inproc_deferred(world, r, &s), opt);
+      f(g);
+    }
+    s.synchronize();
   });
 }
 
