@@ -24,6 +24,8 @@
 #include <lockstep/sim/simulator.hpp>
 #include <lockstep/topology.hpp>
 
+#include "sim_fit.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -164,7 +166,7 @@ prediction predict(const std::string& topo, const sim::codec_model& c, int size,
     auto r = s.all_reduce(topology::ring{}, size, n);
     p.sim_s = r.time_s, p.messages = r.messages;
   } else if (topo == "torus2d") {
-    auto [rows, cols] = sim::square_shape(size);
+    auto [rows, cols] = topology::torus2d{}.shape(size);
     p.closed_s = sim::torus2d_terms(rows, cols, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
     sim::simulator s(cl, c);
     auto r = s.all_reduce(topology::torus2d{rows, cols}, size, n);
@@ -180,7 +182,7 @@ prediction predict(const std::string& topo, const sim::codec_model& c, int size,
 std::map<std::string, sim::codec_model> codec_models(const options& o, const std::vector<std::string>& names) {
   std::map<std::string, sim::codec_model> m;
   for (const auto& n : names)
-    if (!m.count(n)) m.emplace(n, sim::codec_by_name(n, 0, o.measure_gamma));
+    if (!m.count(n)) m.emplace(n, bench::codec_by_name(n, 0, o.measure_gamma));
   return m;
 }
 
@@ -198,31 +200,31 @@ void print_gamma(const options& o, const std::map<std::string, sim::codec_model>
 // The lockstep all-reduces of a bench JSON file, with their codec models (added to `models`,
 // gamma measured when asked), each run's token bucket (the "burst" netlab recorded, else --burst)
 // and its segment size (the "segment_bytes" the bench recorded, else --segment-bytes).
-std::vector<sim::measured_run> read_runs(const options& o, const std::string& file,
+std::vector<bench::measured_run> read_runs(const options& o, const std::string& file,
                                          std::map<std::string, sim::codec_model>& models) {
   std::ifstream in(file);
   if (!in) throw std::runtime_error("cannot open " + file);
-  std::vector<sim::json_object> lines;
+  std::vector<bench::json_object> lines;
   for (std::string line; std::getline(in, line);)
-    if (auto obj = sim::parse_json_line(line)) lines.push_back(*obj);
+    if (auto obj = bench::parse_json_line(line)) lines.push_back(*obj);
   std::vector<std::string> names;
   for (auto& l : lines)
     if (l.count("codec") && !models.count(l["codec"])) names.push_back(l["codec"]);
   models.merge(codec_models(o, names));
-  std::vector<sim::measured_run> runs;
+  std::vector<bench::measured_run> runs;
   for (auto& l : lines)
-    if (auto r = sim::run_of(l, models, l.count("burst") ? parse_size(l["burst"]) : o.cl.nic.burst_bytes))
+    if (auto r = bench::run_of(l, models, l.count("burst") ? parse_size(l["burst"]) : o.cl.nic.burst_bytes))
       runs.push_back(*r);
   return runs;
 }
 
 int run_fit(options& o) {
   std::map<std::string, sim::codec_model> models;
-  std::vector<sim::measured_run> runs = read_runs(o, o.fit_file, models);
+  std::vector<bench::measured_run> runs = read_runs(o, o.fit_file, models);
   // the closed-form fit, with the model the predictions below use (same handshake, send-ahead)
   std::vector<sim::sample> samples;
   for (const auto& r : runs)
-    samples.push_back(sim::sample_of(sim::terms_of(r, r.codec, sim::cluster_of(r, o.cl).segment_bytes, o.cl.handshake, o.cl.send_ahead),
+    samples.push_back(sim::sample_of(bench::terms_of(r, r.codec, bench::cluster_of(r, o.cl).segment_bytes, o.cl.handshake, o.cl.send_ahead),
                                      r.codec.rates, r.seconds));
   sim::fit_result f = sim::fit_alpha_beta(samples);
   double max_burst = 0;
@@ -232,7 +234,7 @@ int run_fit(options& o) {
     // predictions
     sim::link_params start = f.link;
     start.burst_rate_Bps = o.cl.nic.burst_rate_Bps;  // --burst-gbit: measured, not fitted
-    f = sim::fit_by_simulation(runs, o.cl, start, o.cl.nic.burst_rate_Bps == 0);
+    f = bench::fit_by_simulation(runs, o.cl, start, o.cl.nic.burst_rate_Bps == 0);
   }
   const double default_burst = o.cl.nic.burst_bytes;
   o.cl.nic = f.link;
@@ -264,7 +266,7 @@ int run_fit(options& o) {
   double worst = 0;
   int within = 0, total = 0;
   for (const auto& r : runs) {
-    const auto p = predict(r.topology, r.codec, r.ranks, r.n, sim::cluster_of(r, o.cl));
+    const auto p = predict(r.topology, r.codec, r.ranks, r.n, bench::cluster_of(r, o.cl));
     const double bytes = static_cast<double>(r.n * sizeof(float)), err = (p.sim_s - r.seconds) / r.seconds;
     if (bytes >= o.min_compare_bytes) {
       ++total;

@@ -26,11 +26,11 @@
 #include <cmath>
 #include <cstddef>
 #include <functional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../codec/concept.hpp"
+#include "../core/error.hpp"
 
 namespace lockstep::sim {
 
@@ -177,18 +177,20 @@ inline void add_finalize(cost_terms& t, const codec_model& c, int size, std::siz
   t.encode_elems += static_cast<double>(chunk);  // the owner quantises its final values once
   t.decode_elems += static_cast<double>(chunk);  // and keeps their decoded image
 }
-inline void check(int size, std::size_t n, std::size_t chunks) {
-  if (size < 1) throw std::invalid_argument("cost model: group size " + std::to_string(size));
+inline void check(const char* op, int size, std::size_t n) {
+  if (size < 1) throw error(errc::invalid_argument, op, -1, -1, "group size " + std::to_string(size) + ", not >= 1");
+  const auto chunks = static_cast<std::size_t>(size);
   if (n % chunks)
-    throw std::invalid_argument("cost model: " + std::to_string(n) + " values do not split into " +
-                                std::to_string(chunks) + " equal chunks; the closed forms assume they do");
+    throw error(errc::invalid_argument, op, -1, -1,
+                std::to_string(n) + " values do not split into " + std::to_string(chunks) +
+                    " equal chunks; the closed forms assume they do");
 }
 }  // namespace detail
 
 // n fp32 values, N ranks; segment_bytes as the group would use (the transport's default).
 inline cost_terms ring_terms(int size, std::size_t n, const codec_model& c, std::size_t segment_bytes,
                              bool handshake = true, bool send_ahead = false) {
-  detail::check(size, n, static_cast<std::size_t>(size));
+  detail::check("sim::ring_terms", size, n);
   cost_terms t;
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   detail::add_ring(t, c, size, 1, chunk, seg, send_ahead);
@@ -200,8 +202,11 @@ inline cost_terms ring_terms(int size, std::size_t n, const codec_model& c, std:
 // Columns first, as topology::torus2d runs it: rings of R over parts of C chunks, then rings of C.
 inline cost_terms torus2d_terms(int rows, int cols, std::size_t n, const codec_model& c,
                                 std::size_t segment_bytes, bool handshake = true, bool send_ahead = false) {
+  if (rows < 1 || cols < 1)
+    throw error(errc::invalid_argument, "sim::torus2d_terms", -1, -1,
+                "shape " + std::to_string(rows) + "x" + std::to_string(cols) + ": both sides must be >= 1");
   const int size = rows * cols;
-  detail::check(size, n, static_cast<std::size_t>(size));
+  detail::check("sim::torus2d_terms", size, n);
   cost_terms t;
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   detail::add_ring(t, c, rows, static_cast<std::size_t>(cols), chunk, seg, send_ahead);
@@ -214,8 +219,10 @@ inline cost_terms torus2d_terms(int rows, int cols, std::size_t n, const codec_m
 // Recursive halving (reduce-scatter) then doubling (all-gather); N a power of two.
 inline cost_terms halving_doubling_terms(int size, std::size_t n, const codec_model& c,
                                          std::size_t segment_bytes, bool handshake = true, bool send_ahead = false) {
-  if (size < 1 || (size & (size - 1))) throw std::invalid_argument("halving-doubling needs a power-of-two group, not " + std::to_string(size));
-  detail::check(size, n, static_cast<std::size_t>(size));
+  if (size < 1 || (size & (size - 1)))
+    throw error(errc::invalid_argument, "sim::halving_doubling_terms", -1, -1,
+                "halving-doubling needs a power-of-two group, not " + std::to_string(size) + " ranks");
+  detail::check("sim::halving_doubling_terms", size, n);
   cost_terms t;
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   for (int half = size / 2; half >= 1; half /= 2) {

@@ -38,10 +38,10 @@
 #include <functional>
 #include <limits>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "../core/error.hpp"
 #include "../topology/concept.hpp"
 #include "../topology/ring.hpp"
 #include "../topology/torus2d.hpp"
@@ -195,28 +195,32 @@ struct segment_cursor {
 class simulator {
  public:
   simulator(const cluster& cl, const codec_model& codec) : cl_(cl), codec_(codec) {
-    if (cl_.segments_ahead < cluster::as_executor) throw std::invalid_argument("cluster: segments_ahead must be >= 0 or as_executor");
+    auto bad = [](const std::string& why) { return error(errc::invalid_argument, "sim::simulator", -1, -1, why); };
+    if (cl_.segments_ahead < cluster::as_executor)
+      throw bad("cluster.segments_ahead must be >= 0 or as_executor, not " + std::to_string(cl_.segments_ahead));
     constexpr std::int64_t all = std::numeric_limits<std::int64_t>::max();
     ahead_ = cl_.send_ahead ? all
              : cl_.segments_ahead == cluster::as_executor ? (codec_.identity ? all : 4)
                                                           : cl_.segments_ahead;
-    if (cl_.ranks_per_host < 1) throw std::invalid_argument("cluster: ranks_per_host must be >= 1");
-    if (cl_.nic.bandwidth_Bps <= 0 || cl_.local.bandwidth_Bps <= 0) throw std::invalid_argument("cluster: bandwidths must be > 0");
+    if (cl_.ranks_per_host < 1) throw bad("cluster.ranks_per_host must be >= 1, not " + std::to_string(cl_.ranks_per_host));
+    if (!(cl_.nic.bandwidth_Bps > 0) || !(cl_.local.bandwidth_Bps > 0))
+      throw bad("cluster bandwidths must be > 0, not " + std::to_string(cl_.nic.bandwidth_Bps) + " B/s (nic) and " +
+                std::to_string(cl_.local.bandwidth_Bps) + " B/s (local)");
     for (const link_params* l : {&cl_.nic, &cl_.local})
       if (!(l->exchange_efficiency > 0 && l->exchange_efficiency <= 1))
-        throw std::invalid_argument("cluster: exchange_efficiency must be in (0, 1]");
-    if (!(cl_.nic.burst_bytes >= 0)) throw std::invalid_argument("cluster: burst_bytes must be >= 0");
+        throw bad("cluster exchange_efficiency must be in (0, 1], not " + std::to_string(l->exchange_efficiency));
+    if (!(cl_.nic.burst_bytes >= 0)) throw bad("cluster.nic.burst_bytes must be >= 0, not " + std::to_string(cl_.nic.burst_bytes));
     if (!(cl_.nic.burst_rate_Bps == 0 || cl_.nic.burst_rate_Bps > cl_.nic.bandwidth_Bps))
-      throw std::invalid_argument("cluster: burst_rate_Bps must be 0 (at once) or above the bandwidth (" +
-                                  std::to_string(cl_.nic.bandwidth_Bps) + " B/s), not " + std::to_string(cl_.nic.burst_rate_Bps));
+      throw bad("cluster.nic.burst_rate_Bps must be 0 (at once) or above the bandwidth (" +
+                std::to_string(cl_.nic.bandwidth_Bps) + " B/s), not " + std::to_string(cl_.nic.burst_rate_Bps));
     if (cl_.nic.burst_bytes > 0 && cl_.switch_bandwidth_Bps > 0)
-      throw std::invalid_argument("cluster: token buckets (burst_bytes) are modelled on a non-blocking switch only, "
-                                  "not behind a shared core (switch_bandwidth_Bps)");
+      throw bad("token buckets (cluster.nic.burst_bytes) are modelled on a non-blocking switch only, "
+                "not behind a shared core (cluster.switch_bandwidth_Bps)");
   }
 
   result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
              bool finalize_owned = true) {
-    if (size < 1) throw std::invalid_argument("simulator: group size " + std::to_string(size));
+    if (size < 1) throw error(errc::invalid_argument, "sim::simulator::run", -1, -1, "group size " + std::to_string(size) + ", not >= 1");
     last_symmetric_ = false;
     size_ = size;
     n_ = n;
@@ -234,7 +238,9 @@ class simulator {
       rank_state& R = ranks_[static_cast<std::size_t>(r)];
       R.sched = detail::compress(schedule_of(r));
       if (r > 0 && R.sched.chunks != ranks_[0].sched.chunks)
-        throw std::invalid_argument("simulator: ranks cut the buffer into different numbers of chunks");
+        throw error(errc::mismatch, "sim::simulator::run", r, 0,
+                    "this rank's schedule cuts the buffer into " + std::to_string(R.sched.chunks) + " chunks, rank 0's into " +
+                        std::to_string(ranks_[0].sched.chunks));
       max_steps = std::max<std::uint64_t>(max_steps, R.sched.steps);
       R.send.n = R.recv.n = n;
       R.send.chunks = R.recv.chunks = R.sched.chunks;
@@ -262,8 +268,9 @@ class simulator {
     for (int r = 0; r < size; ++r) {
       const rank_state& R = ranks_[static_cast<std::size_t>(r)];
       if (!R.finished)
-        throw std::logic_error("simulator: rank " + std::to_string(r) + " never finished (stuck at step " +
-                               std::to_string(R.step) + "): the schedules do not match each other");
+        throw error(errc::mismatch, "sim::simulator::run", r, R.waiting == wait::recv ? R.recv_peer : -1,
+                    "never finished (stuck at step " + std::to_string(R.step) + " of " + std::to_string(R.sched.steps) +
+                        "): the ranks' schedules do not match each other");
       res.time_s = std::max(res.time_s, R.t);
       res.min_time_s = std::min(res.min_time_s, R.t);
     }
