@@ -633,3 +633,71 @@ TEST_CASE("the cost model and the simulator throw lockstep::error naming the ope
     CHECK_THAT(e.detail(), Catch::Contains("unknown codec 'fp16'"));
   }
 }
+
+namespace {
+// A ring that does not declare its symmetry: the simulator must run every rank.
+struct plain_ring {
+  topology::ring r;
+  std::string name() const { return "plain_ring"; }
+  void validate(int size) const { r.validate(size); }
+  topology::schedule reduce_scatter(int rank, int size) const { return r.reduce_scatter(rank, size); }
+  topology::schedule all_gather(int rank, int size) const { return r.all_gather(rank, size); }
+};
+// A 2 x C torus that claims to be a 1 x N ring: its row steps do not move along the ring.
+struct false_claim : topology::torus2d {
+  false_claim() : topology::torus2d{2, 4} {}
+  topology::grid_symmetry symmetry(int size) const { return {1, size}; }
+};
+}  // namespace
+
+TEST_CASE("the simulator takes the shortcut where the topology declares its symmetry, and checks it", "[sim][symmetry]") {
+  static_assert(!topology::symmetric_topology<plain_ring> && topology::symmetric_topology<false_claim>);
+  sim::codec_model c = bench::codec_by_name("int8");
+  c.rates = some_gamma();
+  const sim::cluster cl = gigabit();
+  const std::size_t n = 8 * 24576;
+  sim::simulator s(cl, c);
+  s.set_symmetry_checks(0);
+  const double ring = s.all_reduce(topology::ring{}, 8, n).time_s;
+  REQUIRE(s.last_was_symmetric());
+  SECTION("no declared symmetry: every rank runs, to the same time") {
+    REQUIRE(s.all_reduce(plain_ring{}, 8, n).time_s == Approx(ring).epsilon(1e-12));
+    REQUIRE_FALSE(s.last_was_symmetric());
+  }
+  SECTION("a symmetry the schedules do not have is not trusted") {
+    const double t = s.all_reduce(false_claim{}, 8, n).time_s;
+    REQUIRE_FALSE(s.last_was_symmetric());
+    REQUIRE(t == Approx(full_run(cl, c, 8, n, true)).epsilon(1e-12));  // torus2d{} of 8 is 2 x 4
+  }
+}
+
+TEST_CASE("the cost model and the simulator cut and pipeline segments by the executor's rules", "[sim][pipeline]") {
+  const sim::codec_model d = bench::codec_by_name("dyntree8");
+  for (std::size_t bytes : {std::size_t{1}, std::size_t{1000}, std::size_t{1} << 20, pipeline::whole_chunk})
+    CHECK(sim::segment_elems(d, bytes) == pipeline::segment_elems(d.block, bytes));
+  SECTION("a whole-chunk segment (the device's) is one message per chunk") {
+    CHECK(sim::chunk_segments(1000, sim::segment_elems(d, pipeline::whole_chunk)) == 1);
+    sim::cluster whole = gigabit(), big = gigabit();
+    whole.segment_bytes = pipeline::whole_chunk;
+    big.segment_bytes = std::size_t{1} << 30;  // above any chunk here
+    sim::codec_model c = d;
+    c.rates = some_gamma();
+    const std::size_t n = 6 * 40000;
+    const double t = full_run(whole, c, 6, n, false);
+    REQUIRE(t == Approx(full_run(big, c, 6, n, false)).epsilon(1e-12));
+    REQUIRE(t == Approx(closed(whole, c, 6, n, false)).epsilon(1e-9));
+  }
+  SECTION("as_executor is pipeline::sends_ahead: a lossy codec runs lossy_sends_ahead segments ahead") {
+    sim::codec_model c = d;
+    c.rates = some_gamma();
+    sim::cluster executor = gigabit();
+    executor.nic.latency_s = 10e-3;  // above a segment's 2 ms on the wire: the window shows
+    sim::cluster window = executor;
+    executor.segments_ahead = sim::cluster::as_executor;
+    window.segments_ahead = static_cast<int>(pipeline::lossy_sends_ahead);
+    const std::size_t n = 4 * 524288;  // 8 segments of 256 KiB per chunk: more than either window
+    REQUIRE(full_run(executor, c, 4, n, false) == full_run(window, c, 4, n, false));
+    window.segments_ahead = static_cast<int>(pipeline::lossy_sends_ahead) - 1;
+    REQUIRE(full_run(executor, c, 4, n, false) != full_run(window, c, 4, n, false));
+  }
+}

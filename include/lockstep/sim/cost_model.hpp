@@ -12,7 +12,8 @@
 // forwards wire bytes) but does not overlap codec work with transfer: it is exact when a step is
 // one segment or gamma is 0 (with send_ahead, the executor variant that posts a step's sends at
 // once: exact when gamma is 0), and an upper bound when segments pipeline (sim/simulator.hpp models
-// that overlap). The formulas are those of /work/shared/papers.md:
+// that overlap). The formulas are the papers' (ring: Patarasuk & Yuan 2009; 2-D torus: Ying et al.
+// 2018; halving-doubling: Thakur, Rabenseifner & Gropp 2005):
 //   ring              2(N-1) alpha + 2(N-1)/N S beta
 //   2-D torus R x C   2(R+C-2) alpha + 2(N-1)/N S beta
 //   halving-doubling  2 log2(N) alpha + 2(N-1)/N S beta   (no schedule in topology/ yet: closed form only)
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "../codec/concept.hpp"
+#include "../collective/pipeline.hpp"
 #include "../core/error.hpp"
 
 namespace lockstep::sim {
@@ -118,9 +120,9 @@ codec_rates measure_rates(const C& c, std::size_t n = std::size_t{1} << 22, int 
   return r;
 }
 
-// The executor's segment length in elements: a multiple of the codec block, about segment_bytes.
+// The executor's segment length in elements, by the executor's own rule (collective/pipeline.hpp).
 inline std::size_t segment_elems(const codec_model& c, std::size_t segment_bytes) {
-  return std::max(c.block, segment_bytes / sizeof(float) / c.block * c.block);
+  return pipeline::segment_elems(c.block, segment_bytes);
 }
 
 // Wire bytes of one chunk of len values, cut into segments as the executor cuts it.
@@ -128,7 +130,8 @@ inline std::size_t chunk_wire_bytes(const codec_model& c, std::size_t len, std::
   const std::size_t full = len / seg, rem = len % seg;
   return full * c.message_bytes(seg) + (rem ? c.message_bytes(rem) : 0);
 }
-inline std::size_t chunk_segments(std::size_t len, std::size_t seg) { return (len + seg - 1) / seg; }
+// Not (len + seg - 1) / seg: a whole-chunk segment (pipeline::whole_chunk) is near SIZE_MAX.
+inline std::size_t chunk_segments(std::size_t len, std::size_t seg) { return len / seg + (len % seg != 0); }
 
 // Critical-path counts of one rank; time() turns them into seconds.
 struct cost_terms {
