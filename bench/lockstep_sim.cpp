@@ -68,7 +68,7 @@ void usage() {
   std::puts(
       "usage: lockstep-sim [options]\n"
       "  --topology LIST      ring,torus2d,halving_doubling (halving_doubling: closed form only)\n"
-      "  --codec LIST         fp32,bf16,int8,dyntree8\n"
+      "  --codec LIST         fp32,bf16,int8,dyntree8; NAME+ef: under error feedback\n"
       "  --ranks LIST         group sizes, e.g. 16,64,256,1024,4096\n"
       "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
       "  --gbit G             NIC bandwidth per direction in Gbit/s (default 1)\n"
@@ -192,7 +192,7 @@ void print_gamma(const options& o, const std::map<std::string, sim::codec_model>
       std::printf("{\"kind\":\"gamma\",\"codec\":\"%s\",\"encode_ns\":%.4f,\"decode_ns\":%.4f,\"decode_add_ns\":%.4f}\n",
                   name.c_str(), c.rates.encode_s * 1e9, c.rates.decode_s * 1e9, c.rates.decode_add_s * 1e9);
     else
-      std::printf("# gamma %-9s encode %.3f ns/value, decode %.3f, decode-add %.3f\n", name.c_str(),
+      std::printf("# gamma %-11s encode %.3f ns/value, decode %.3f, decode-add %.3f\n", name.c_str(),
                   c.rates.encode_s * 1e9, c.rates.decode_s * 1e9, c.rates.decode_add_s * 1e9);
   }
 }
@@ -261,7 +261,7 @@ int run_fit(options& o) {
   if (!o.compare) return 0;
   if (!o.against_file.empty()) runs = read_runs(o, o.against_file, models);  // out of sample
   if (!o.json)
-    std::printf("%-9s %-9s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
+    std::printf("%-9s %-11s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
                 "sim_us", "closed_us", "err");
   double worst = 0;
   int within = 0, total = 0;
@@ -279,7 +279,7 @@ int run_fit(options& o) {
                   r.topology.c_str(), r.codec.name.c_str(), r.ranks, bytes, r.seconds * 1e6, p.sim_s * 1e6,
                   p.closed_s * 1e6, err);
     else
-      std::printf("%-9s %-9s %5d %10.0f %12.1f %12.1f %12.1f %+7.1f%%\n", r.topology.c_str(), r.codec.name.c_str(),
+      std::printf("%-9s %-11s %5d %10.0f %12.1f %12.1f %12.1f %+7.1f%%\n", r.topology.c_str(), r.codec.name.c_str(),
                   r.ranks, bytes, r.seconds * 1e6, p.sim_s * 1e6, p.closed_s * 1e6, 100 * err);
   }
   if (o.json)
@@ -295,7 +295,7 @@ int run_speedup(const options& o) {
   if (o.measure_gamma) print_gamma(o, models);
   const std::size_t n = static_cast<std::size_t>(o.params);
   if (!o.json)
-    std::printf("%-9s %-9s %6s %12s %12s %9s\n", "topology", "codec", "ranks", "comm_ms", "compute_ms", "speedup");
+    std::printf("%-9s %-11s %6s %12s %12s %9s\n", "topology", "codec", "ranks", "comm_ms", "compute_ms", "speedup");
   for (const auto& topo : o.topologies)
     for (const auto& cn : o.codecs)
       for (int size : o.ranks) {
@@ -307,7 +307,7 @@ int run_speedup(const options& o) {
                       "\"comm_us\":%.1f,\"compute_us\":%.1f,\"overlap\":%.2f,\"speedup\":%.3f}\n",
                       topo.c_str(), cn.c_str(), size, o.params, comm * 1e6, o.compute_s * 1e6, o.overlap, sp);
         else
-          std::printf("%-9s %-9s %6d %12.2f %12.2f %9.2f\n", topo.c_str(), cn.c_str(), size, comm * 1e3,
+          std::printf("%-9s %-11s %6d %12.2f %12.2f %9.2f\n", topo.c_str(), cn.c_str(), size, comm * 1e3,
                       o.compute_s * 1e3, sp);
       }
   return 0;
@@ -317,7 +317,7 @@ int run_predict(const options& o) {
   auto models = codec_models(o, o.codecs);
   if (o.measure_gamma) print_gamma(o, models);
   if (!o.json)
-    std::printf("%-16s %-9s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
+    std::printf("%-16s %-11s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
                 "closed_us", "busbw_GB/s", "sim_wall_s");
   for (double bytes : o.bytes)
     for (const auto& topo : o.topologies)
@@ -337,7 +337,7 @@ int run_predict(const options& o) {
                         busbw / 1e9, static_cast<unsigned long long>(p.messages), o.cl.nic.latency_s * 1e6,
                         o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency, o.cl.ranks_per_host, wall);
           else
-            std::printf("%-16s %-9s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
+            std::printf("%-16s %-11s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
                         p.sim_s >= 0 ? std::to_string(p.sim_s * 1e6).c_str() : "-", p.closed_s * 1e6, busbw / 1e9, wall);
         }
   return 0;

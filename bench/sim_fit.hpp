@@ -23,6 +23,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -92,15 +94,22 @@ inline std::optional<json_object> parse_json_line(const std::string& line) {
   }
 }
 
-// The codecs lockstep ships, by the names the benches print. Block 0: the codec's default.
+// The codecs lockstep ships, by the names they print (c.name(), which the benches record), each
+// also under error feedback ("dyntree8+ef", error_feedback<C>::name()). Block 0: the default.
 inline codec_model codec_by_name(const std::string& name, std::size_t block = 0, bool measure = false) {
-  auto make = [&](const auto& c) { return sim::model_of(c, measure ? sim::measure_rates(c) : codec_rates{}); };
-  if (name == "fp32") return make(codec::fp32{});
-  if (name == "bf16") return make(codec::bf16{});
-  if (name == "int8") return block ? make(codec::int8{block}) : make(codec::int8{});
-  if (name == "dyntree8") return block ? make(codec::dyntree8{block}) : make(codec::dyntree8{});
+  constexpr std::string_view ef = "+ef";
+  const bool feedback = name.size() > ef.size() && std::string_view(name).ends_with(ef);
+  const std::string base = feedback ? name.substr(0, name.size() - ef.size()) : name;
+  auto make = [&](const auto& inner) {
+    auto model = [&](const auto& c) { return sim::model_of(c, measure ? sim::measure_rates(c) : codec_rates{}); };
+    return feedback ? model(codec::error_feedback<std::decay_t<decltype(inner)>>(inner)) : model(inner);
+  };
+  if (base == "fp32") return make(codec::fp32{});
+  if (base == "bf16") return make(codec::bf16{});
+  if (base == "int8") return block ? make(codec::int8{block}) : make(codec::int8{});
+  if (base == "dyntree8") return block ? make(codec::dyntree8{block}) : make(codec::dyntree8{});
   throw error(errc::invalid_argument, "bench::codec_by_name", -1, -1,
-              "unknown codec '" + name + "' (fp32, bf16, int8, dyntree8)");
+              "unknown codec '" + name + "' (fp32, bf16, int8, dyntree8, each also as NAME+ef)");
 }
 
 // What a bench JSON line says ran: a ring or most-square torus all-reduce of n fp32 values over

@@ -701,3 +701,21 @@ TEST_CASE("the cost model and the simulator cut and pipeline segments by the exe
     REQUIRE(full_run(executor, c, 4, n, false) != full_run(window, c, 4, n, false));
   }
 }
+
+TEST_CASE("lockstep-sim knows every codec by the name it prints, error feedback included", "[sim][fit]") {
+  auto same = [](const sim::codec_model& a, const sim::codec_model& b) {
+    CHECK(a.name == b.name);
+    CHECK(a.identity == b.identity);
+    CHECK(a.block == b.block);
+    for (std::size_t n : {1u, 1000u, 1u << 20}) CHECK(a.wire_bytes(n) == b.wire_bytes(n));
+  };
+  same(bench::codec_by_name("fp32"), sim::model_of(codec::fp32{}));
+  same(bench::codec_by_name("int8", 64), sim::model_of(codec::int8{64}));
+  same(bench::codec_by_name("dyntree8+ef"), sim::model_of(codec::error_feedback<codec::dyntree8>{}));
+  same(bench::codec_by_name("int8+ef", 64), sim::model_of(codec::error_feedback<codec::int8>{codec::int8{64}}));
+  CHECK(bench::codec_by_name("dyntree8+ef").name == "dyntree8+ef");
+  // fp32 under error feedback encodes (through the residual): not the identity on the wire path
+  CHECK_FALSE(bench::codec_by_name("fp32+ef").identity);
+  CHECK_THROWS_AS(bench::codec_by_name("+ef"), lockstep::error);
+  CHECK_THROWS_AS(bench::codec_by_name("fp16+ef"), lockstep::error);
+}
