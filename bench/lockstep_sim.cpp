@@ -24,6 +24,8 @@
 #include <lockstep/sim/simulator.hpp>
 #include <lockstep/topology.hpp>
 
+#include "sim_fit.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -66,7 +68,7 @@ void usage() {
   std::puts(
       "usage: lockstep-sim [options]\n"
       "  --topology LIST      ring,torus2d,halving_doubling (halving_doubling: closed form only)\n"
-      "  --codec LIST         fp32,bf16,int8,dyntree8\n"
+      "  --codec LIST         fp32,bf16,int8,dyntree8; NAME+ef: under error feedback\n"
       "  --ranks LIST         group sizes, e.g. 16,64,256,1024,4096\n"
       "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
       "  --gbit G             NIC bandwidth per direction in Gbit/s (default 1)\n"
@@ -164,7 +166,7 @@ prediction predict(const std::string& topo, const sim::codec_model& c, int size,
     auto r = s.all_reduce(topology::ring{}, size, n);
     p.sim_s = r.time_s, p.messages = r.messages;
   } else if (topo == "torus2d") {
-    auto [rows, cols] = sim::square_shape(size);
+    auto [rows, cols] = topology::torus2d{}.shape(size);
     p.closed_s = sim::torus2d_terms(rows, cols, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
     sim::simulator s(cl, c);
     auto r = s.all_reduce(topology::torus2d{rows, cols}, size, n);
@@ -180,7 +182,7 @@ prediction predict(const std::string& topo, const sim::codec_model& c, int size,
 std::map<std::string, sim::codec_model> codec_models(const options& o, const std::vector<std::string>& names) {
   std::map<std::string, sim::codec_model> m;
   for (const auto& n : names)
-    if (!m.count(n)) m.emplace(n, sim::codec_by_name(n, 0, o.measure_gamma));
+    if (!m.count(n)) m.emplace(n, bench::codec_by_name(n, 0, o.measure_gamma));
   return m;
 }
 
@@ -190,7 +192,7 @@ void print_gamma(const options& o, const std::map<std::string, sim::codec_model>
       std::printf("{\"kind\":\"gamma\",\"codec\":\"%s\",\"encode_ns\":%.4f,\"decode_ns\":%.4f,\"decode_add_ns\":%.4f}\n",
                   name.c_str(), c.rates.encode_s * 1e9, c.rates.decode_s * 1e9, c.rates.decode_add_s * 1e9);
     else
-      std::printf("# gamma %-9s encode %.3f ns/value, decode %.3f, decode-add %.3f\n", name.c_str(),
+      std::printf("# gamma %-11s encode %.3f ns/value, decode %.3f, decode-add %.3f\n", name.c_str(),
                   c.rates.encode_s * 1e9, c.rates.decode_s * 1e9, c.rates.decode_add_s * 1e9);
   }
 }
@@ -198,31 +200,31 @@ void print_gamma(const options& o, const std::map<std::string, sim::codec_model>
 // The lockstep all-reduces of a bench JSON file, with their codec models (added to `models`,
 // gamma measured when asked), each run's token bucket (the "burst" netlab recorded, else --burst)
 // and its segment size (the "segment_bytes" the bench recorded, else --segment-bytes).
-std::vector<sim::measured_run> read_runs(const options& o, const std::string& file,
+std::vector<bench::measured_run> read_runs(const options& o, const std::string& file,
                                          std::map<std::string, sim::codec_model>& models) {
   std::ifstream in(file);
   if (!in) throw std::runtime_error("cannot open " + file);
-  std::vector<sim::json_object> lines;
+  std::vector<bench::json_object> lines;
   for (std::string line; std::getline(in, line);)
-    if (auto obj = sim::parse_json_line(line)) lines.push_back(*obj);
+    if (auto obj = bench::parse_json_line(line)) lines.push_back(*obj);
   std::vector<std::string> names;
   for (auto& l : lines)
     if (l.count("codec") && !models.count(l["codec"])) names.push_back(l["codec"]);
   models.merge(codec_models(o, names));
-  std::vector<sim::measured_run> runs;
+  std::vector<bench::measured_run> runs;
   for (auto& l : lines)
-    if (auto r = sim::run_of(l, models, l.count("burst") ? parse_size(l["burst"]) : o.cl.nic.burst_bytes))
+    if (auto r = bench::run_of(l, models, l.count("burst") ? parse_size(l["burst"]) : o.cl.nic.burst_bytes))
       runs.push_back(*r);
   return runs;
 }
 
 int run_fit(options& o) {
   std::map<std::string, sim::codec_model> models;
-  std::vector<sim::measured_run> runs = read_runs(o, o.fit_file, models);
+  std::vector<bench::measured_run> runs = read_runs(o, o.fit_file, models);
   // the closed-form fit, with the model the predictions below use (same handshake, send-ahead)
   std::vector<sim::sample> samples;
   for (const auto& r : runs)
-    samples.push_back(sim::sample_of(sim::terms_of(r, r.codec, sim::cluster_of(r, o.cl).segment_bytes, o.cl.handshake, o.cl.send_ahead),
+    samples.push_back(sim::sample_of(bench::terms_of(r, r.codec, bench::cluster_of(r, o.cl).segment_bytes, o.cl.handshake, o.cl.send_ahead),
                                      r.codec.rates, r.seconds));
   sim::fit_result f = sim::fit_alpha_beta(samples);
   double max_burst = 0;
@@ -232,7 +234,7 @@ int run_fit(options& o) {
     // predictions
     sim::link_params start = f.link;
     start.burst_rate_Bps = o.cl.nic.burst_rate_Bps;  // --burst-gbit: measured, not fitted
-    f = sim::fit_by_simulation(runs, o.cl, start, o.cl.nic.burst_rate_Bps == 0);
+    f = bench::fit_by_simulation(runs, o.cl, start, o.cl.nic.burst_rate_Bps == 0);
   }
   const double default_burst = o.cl.nic.burst_bytes;
   o.cl.nic = f.link;
@@ -259,12 +261,12 @@ int run_fit(options& o) {
   if (!o.compare) return 0;
   if (!o.against_file.empty()) runs = read_runs(o, o.against_file, models);  // out of sample
   if (!o.json)
-    std::printf("%-9s %-9s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
+    std::printf("%-9s %-11s %5s %10s %12s %12s %12s %8s\n", "topology", "codec", "ranks", "bytes", "measured_us",
                 "sim_us", "closed_us", "err");
   double worst = 0;
   int within = 0, total = 0;
   for (const auto& r : runs) {
-    const auto p = predict(r.topology, r.codec, r.ranks, r.n, sim::cluster_of(r, o.cl));
+    const auto p = predict(r.topology, r.codec, r.ranks, r.n, bench::cluster_of(r, o.cl));
     const double bytes = static_cast<double>(r.n * sizeof(float)), err = (p.sim_s - r.seconds) / r.seconds;
     if (bytes >= o.min_compare_bytes) {
       ++total;
@@ -277,7 +279,7 @@ int run_fit(options& o) {
                   r.topology.c_str(), r.codec.name.c_str(), r.ranks, bytes, r.seconds * 1e6, p.sim_s * 1e6,
                   p.closed_s * 1e6, err);
     else
-      std::printf("%-9s %-9s %5d %10.0f %12.1f %12.1f %12.1f %+7.1f%%\n", r.topology.c_str(), r.codec.name.c_str(),
+      std::printf("%-9s %-11s %5d %10.0f %12.1f %12.1f %12.1f %+7.1f%%\n", r.topology.c_str(), r.codec.name.c_str(),
                   r.ranks, bytes, r.seconds * 1e6, p.sim_s * 1e6, p.closed_s * 1e6, 100 * err);
   }
   if (o.json)
@@ -293,7 +295,7 @@ int run_speedup(const options& o) {
   if (o.measure_gamma) print_gamma(o, models);
   const std::size_t n = static_cast<std::size_t>(o.params);
   if (!o.json)
-    std::printf("%-9s %-9s %6s %12s %12s %9s\n", "topology", "codec", "ranks", "comm_ms", "compute_ms", "speedup");
+    std::printf("%-9s %-11s %6s %12s %12s %9s\n", "topology", "codec", "ranks", "comm_ms", "compute_ms", "speedup");
   for (const auto& topo : o.topologies)
     for (const auto& cn : o.codecs)
       for (int size : o.ranks) {
@@ -305,7 +307,7 @@ int run_speedup(const options& o) {
                       "\"comm_us\":%.1f,\"compute_us\":%.1f,\"overlap\":%.2f,\"speedup\":%.3f}\n",
                       topo.c_str(), cn.c_str(), size, o.params, comm * 1e6, o.compute_s * 1e6, o.overlap, sp);
         else
-          std::printf("%-9s %-9s %6d %12.2f %12.2f %9.2f\n", topo.c_str(), cn.c_str(), size, comm * 1e3,
+          std::printf("%-9s %-11s %6d %12.2f %12.2f %9.2f\n", topo.c_str(), cn.c_str(), size, comm * 1e3,
                       o.compute_s * 1e3, sp);
       }
   return 0;
@@ -315,7 +317,7 @@ int run_predict(const options& o) {
   auto models = codec_models(o, o.codecs);
   if (o.measure_gamma) print_gamma(o, models);
   if (!o.json)
-    std::printf("%-16s %-9s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
+    std::printf("%-16s %-11s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
                 "closed_us", "busbw_GB/s", "sim_wall_s");
   for (double bytes : o.bytes)
     for (const auto& topo : o.topologies)
@@ -335,7 +337,7 @@ int run_predict(const options& o) {
                         busbw / 1e9, static_cast<unsigned long long>(p.messages), o.cl.nic.latency_s * 1e6,
                         o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency, o.cl.ranks_per_host, wall);
           else
-            std::printf("%-16s %-9s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
+            std::printf("%-16s %-11s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
                         p.sim_s >= 0 ? std::to_string(p.sim_s * 1e6).c_str() : "-", p.closed_s * 1e6, busbw / 1e9, wall);
         }
   return 0;

@@ -7,6 +7,9 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 using namespace lockstep;
@@ -334,4 +337,22 @@ TEST_CASE("error feedback keeps the running sum of decoded values close to the t
   // With feedback the drift is one step's residual, not 200 steps' worth.
   CHECK(e_ef < 0.05 * 0.9 / 64 * 2);
   CHECK(e_ef * 5 < e_plain);
+}
+
+TEST_CASE("error feedback says so in its name; its id stays the inner codec's", "[codec][ef]") {
+  // Labels ("all_reduce(ring, dyntree8+ef)") and error messages show that it is on.
+  const codec::error_feedback<codec::dyntree8> dt;
+  static_assert(std::is_same_v<decltype(dt.name()), std::string_view>);  // static storage, as the plain codecs'
+  CHECK(dt.name() == "dyntree8+ef");
+  CHECK(codec::error_feedback<codec::int8>{codec::int8{64}}.name() == "int8+ef");
+  CHECK(codec::error_feedback<codec::bf16>{}.name() == "bf16+ef");
+  CHECK(codec::error_feedback<codec::fp32>{}.name() == "fp32+ef");
+  // An inner codec whose name is not a constant of its type still gets the suffix.
+  CHECK(codec::error_feedback<codec::error_feedback<codec::int8>>{}.name() == std::string("int8+ef+ef"));
+  // The wire format does not change, so neither does the id: ranks with and without error feedback
+  // exchange valid data, and using it is each rank's choice.
+  CHECK(dt.id() == codec::dyntree8{}.id());
+  CHECK(dt.wire_bytes(1000) == codec::dyntree8{}.wire_bytes(1000));
+  CHECK(codec::error_feedback<codec::int8>{codec::int8{64}}.id() == codec::int8{64}.id());
+  CHECK(codec::error_feedback<codec::int8>{codec::int8{64}}.id() != codec::int8{}.id());
 }

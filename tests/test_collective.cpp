@@ -318,6 +318,30 @@ TEST_CASE("error feedback makes repeated lossy all-reduces unbiased", "[collecti
   }
 }
 
+TEST_CASE("error feedback shows in the collective's label, and pairs with a rank without it", "[collective][ef]") {
+  // The wire format is the same with and without feedback (same codec id): a group where only
+  // some ranks keep residuals all-reduces as usual. The ranks record, the main thread checks.
+  std::vector<float> got(3, 0.0f);
+  std::vector<std::string> label(3);
+  run_inproc(3, [&](inproc_group& g) {
+    std::vector<float> v(300, static_cast<float>(g.rank() + 1));
+    codec::int8 plain;
+    codec::error_feedback<codec::int8> ef;
+    if (g.rank() == 1) all_reduce(g, std::span<float>(v), topology::ring{}, ef);
+    else all_reduce(g, std::span<float>(v), topology::ring{}, plain);
+    got[static_cast<std::size_t>(g.rank())] = v[299];
+    try {
+      all_reduce(g, std::span<float>(static_cast<float*>(nullptr), 5), topology::ring{}, ef);
+    } catch (const error& e) {
+      label[static_cast<std::size_t>(g.rank())] = e.op();
+    }
+  });
+  for (std::size_t r = 0; r < 3; ++r) {
+    CHECK(got[r] == Approx(6.0f).epsilon(1.0 / 127));
+    CHECK(label[r] == "all_reduce(ring, int8+ef)");
+  }
+}
+
 TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[collective][errors]") {
   group_options quick;
   quick.timeout = 1000ms;

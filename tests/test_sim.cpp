@@ -13,6 +13,8 @@
 #include <lockstep/sim/simulator.hpp>
 #include <lockstep/topology.hpp>
 
+#include "sim_fit.hpp"  // bench/: the JSON reader, the codec names and the simulation fit
+
 using namespace lockstep;
 
 namespace {
@@ -52,7 +54,7 @@ double closed_shape(const sim::cluster& cl, const sim::codec_model& c, int rows,
 
 // The closed form of a ring of `size`, or of the most square torus of that size.
 double closed(const sim::cluster& cl, const sim::codec_model& c, int size, std::size_t n, bool torus) {
-  const auto [r, cc] = torus ? sim::square_shape(size) : std::pair{1, size};
+  const auto [r, cc] = torus ? topology::torus2d{}.shape(size) : std::pair{1, size};
   return closed_shape(cl, c, r, cc, n);
 }
 
@@ -66,7 +68,7 @@ TEST_CASE("simulator equals the closed form on contention-free links", "[sim]") 
   const std::size_t n = std::size_t{1} << 20;  // 4 MiB: 64 to 512 KiB chunks, 1 to 4 segments
   sim::cluster cl = gigabit();
   cl.send_ahead = send_ahead;
-  sim::codec_model c = sim::codec_by_name(name);
+  sim::codec_model c = bench::codec_by_name(name);
   // With gamma = 0 the model is exact whatever the segmentation; without send-ahead the executor's
   // order (send j+1 after receive j) serialises codec work with transfer, so it is exact then too.
   if (!send_ahead) c.rates = some_gamma();
@@ -79,7 +81,7 @@ TEST_CASE("simulator equals the closed form on contention-free links", "[sim]") 
 TEST_CASE("with send-ahead and codec work, the closed form is an upper bound the overlap stays under", "[sim]") {
   sim::cluster cl = gigabit();
   cl.send_ahead = true;
-  sim::codec_model c = sim::codec_by_name("int8");
+  sim::codec_model c = bench::codec_by_name("int8");
   c.rates = some_gamma();
   const std::size_t n = std::size_t{1} << 22;
   const double got = full_run(cl, c, 8, n, false);
@@ -96,7 +98,7 @@ TEST_CASE("the symmetric shortcut equals the full event run", "[sim]") {
   const int size = GENERATE(3, 12, 16, 64);
   sim::cluster cl = gigabit();
   cl.send_ahead = send_ahead;
-  sim::codec_model c = sim::codec_by_name("dyntree8");
+  sim::codec_model c = bench::codec_by_name("dyntree8");
   c.rates = some_gamma();
   const std::size_t n = static_cast<std::size_t>(size) * 12288;
   sim::simulator s(cl, c);
@@ -108,7 +110,7 @@ TEST_CASE("the symmetric shortcut equals the full event run", "[sim]") {
 }
 
 TEST_CASE("the shortcut is not taken where the symmetry does not hold", "[sim]") {
-  sim::codec_model c = sim::codec_by_name("fp32");
+  sim::codec_model c = bench::codec_by_name("fp32");
   SECTION("unequal chunks") {
     sim::simulator s(gigabit(), c);
     s.all_reduce(topology::ring{}, 8, 8 * 1000 + 3);
@@ -124,7 +126,7 @@ TEST_CASE("the shortcut is not taken where the symmetry does not hold", "[sim]")
 }
 
 TEST_CASE("shared links slow the collective down", "[sim]") {
-  sim::codec_model c = sim::codec_by_name("fp32");
+  sim::codec_model c = bench::codec_by_name("fp32");
   const std::size_t n = std::size_t{1} << 22;
   sim::cluster cl = gigabit();
   const double free_links = full_run(cl, c, 8, n, false);
@@ -147,7 +149,7 @@ TEST_CASE("shared links slow the collective down", "[sim]") {
 }
 
 TEST_CASE("predicted time is monotone in size, group and bandwidth", "[sim]") {
-  sim::codec_model c = sim::codec_by_name("bf16");
+  sim::codec_model c = bench::codec_by_name("bf16");
   c.rates = some_gamma();
   sim::cluster cl = gigabit();
   sim::simulator s(cl, c);
@@ -172,7 +174,7 @@ TEST_CASE("predicted time is monotone in size, group and bandwidth", "[sim]") {
 TEST_CASE("with send-ahead the torus's fewer steps beat the ring at scale", "[sim]") {
   sim::cluster cl = gigabit();
   cl.send_ahead = true;
-  sim::codec_model c = sim::codec_by_name("fp32");
+  sim::codec_model c = bench::codec_by_name("fp32");
   sim::simulator s(cl, c);
   const std::size_t n = std::size_t{1} << 24;
   const double ring = s.all_reduce(topology::ring{}, 1024, n).time_s;
@@ -191,11 +193,11 @@ TEST_CASE("the fit recovers known alpha and beta", "[sim]") {
   for (const char* name : {"fp32", "bf16", "dyntree8"})
     for (int size : {2, 4, 8})
       for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 20, std::size_t{1} << 26}) {
-        sim::codec_model c = sim::codec_by_name(name);
+        sim::codec_model c = bench::codec_by_name(name);
         c.rates = some_gamma();
-        sim::json_object line{{"topology", size == 4 ? "torus2d" : "ring"}, {"codec", name},
+        bench::json_object line{{"topology", size == 4 ? "torus2d" : "ring"}, {"codec", name},
                               {"ranks", std::to_string(size)}, {"bytes", std::to_string(bytes)}};
-        auto t = sim::terms_of(line, c, cl.segment_bytes);
+        auto t = bench::terms_of(line, c, cl.segment_bytes);
         REQUIRE(t);
         const double seconds = t->time(truth, c.rates) * (1 + noise(rng));
         xs.push_back(sim::sample_of(*t, c.rates, seconds));
@@ -207,17 +209,17 @@ TEST_CASE("the fit recovers known alpha and beta", "[sim]") {
 }
 
 TEST_CASE("bench JSON lines parse", "[sim]") {
-  auto o = sim::parse_json_line(R"({"bench":"allreduce", "topology":"ring","codec":"bf16","ranks":4,"bytes":1048576,"time_us":123.5,"ok":true})");
+  auto o = bench::parse_json_line(R"({"bench":"allreduce", "topology":"ring","codec":"bf16","ranks":4,"bytes":1048576,"time_us":123.5,"ok":true})");
   REQUIRE(o);
   REQUIRE((*o)["topology"] == "ring");
   REQUIRE(std::stod((*o)["time_us"]) == 123.5);
   REQUIRE((*o)["ok"] == "true");
-  REQUIRE_FALSE(sim::parse_json_line("not json"));
-  REQUIRE_FALSE(sim::parse_json_line(R"({"a":1,)"));
+  REQUIRE_FALSE(bench::parse_json_line("not json"));
+  REQUIRE_FALSE(bench::parse_json_line(R"({"a":1,)"));
 }
 
 TEST_CASE("closed forms match the papers' formulas in the one-segment case", "[sim]") {
-  sim::codec_model c = sim::codec_by_name("fp32");
+  sim::codec_model c = bench::codec_by_name("fp32");
   const sim::link_params l{10e-6, 1e9};
   const std::size_t n = 1 << 16;  // 256 KiB, below a segment
   const double s = n * 4.0;
@@ -239,7 +241,7 @@ TEST_CASE("with exchange efficiency < 1 the simulator still equals the closed fo
   sim::cluster cl = gigabit();
   cl.nic.exchange_efficiency = 0.57;
   cl.send_ahead = send_ahead;
-  sim::codec_model c = sim::codec_by_name(name);
+  sim::codec_model c = bench::codec_by_name(name);
   if (!send_ahead) c.rates = some_gamma();
   const int size = shape.first * shape.second;
   const std::size_t n = static_cast<std::size_t>(size) * 65536;  // several segments per step
@@ -256,7 +258,7 @@ TEST_CASE("with exchange efficiency < 1 the simulator still equals the closed fo
 }
 
 TEST_CASE("exchange efficiency 1 changes nothing", "[sim][exchange]") {
-  sim::codec_model c = sim::codec_by_name("dyntree8");
+  sim::codec_model c = bench::codec_by_name("dyntree8");
   c.rates = some_gamma();
   const std::size_t n = std::size_t{1} << 20;
   sim::cluster cl = gigabit();
@@ -266,7 +268,7 @@ TEST_CASE("exchange efficiency 1 changes nothing", "[sim][exchange]") {
     explicit_one.nic.exchange_efficiency = 1.0;
     REQUIRE(full_run(cl, c, size, n, torus) == full_run(explicit_one, c, size, n, torus));
     // eta = 1: the exchanged bytes cost beta like any other, the total is the papers' count
-    auto [r, cc] = sim::square_shape(size);
+    auto [r, cc] = topology::torus2d{}.shape(size);
     const sim::cost_terms t = torus ? sim::torus2d_terms(r, cc, n, c, cl.segment_bytes) : sim::ring_terms(size, n, c, cl.segment_bytes);
     REQUIRE(t.time(cl.nic, c.rates) ==
             Approx(t.messages * cl.nic.latency_s + t.wire_bytes() * cl.nic.beta() + t.compute_time(c.rates)).epsilon(1e-12));
@@ -289,10 +291,10 @@ std::vector<sim::sample> synthetic(const sim::link_params& truth, double noise_a
     for (const char* topo : {"ring", "torus2d"})
       for (int size : {2, 4, 8})
         for (std::size_t bytes : {std::size_t{1} << 16, std::size_t{1} << 20, std::size_t{1} << 24, std::size_t{1} << 26}) {
-          sim::codec_model c = sim::codec_by_name(name);
+          sim::codec_model c = bench::codec_by_name(name);
           c.rates = some_gamma();
-          sim::json_object line{{"topology", topo}, {"codec", name}, {"ranks", std::to_string(size)}, {"bytes", std::to_string(bytes)}};
-          auto t = sim::terms_of(line, c, std::size_t{1} << 20);
+          bench::json_object line{{"topology", topo}, {"codec", name}, {"ranks", std::to_string(size)}, {"bytes", std::to_string(bytes)}};
+          auto t = bench::terms_of(line, c, std::size_t{1} << 20);
           REQUIRE(t);
           xs.push_back(sim::sample_of(*t, c.rates, t->time(truth, c.rates) * (1 + noise(rng))));
         }
@@ -383,7 +385,7 @@ TEST_CASE("with a token bucket the shortcut still equals the full event run", "[
   cl.nic.burst_bytes = 96 * 1024;
   cl.nic.burst_rate_Bps = rate;
   cl.nic.exchange_efficiency = 0.7;
-  sim::codec_model c = sim::codec_by_name("int8");
+  sim::codec_model c = bench::codec_by_name("int8");
   c.rates = some_gamma();
   const std::size_t n = static_cast<std::size_t>(size) * 12288;
   sim::simulator s(cl, c);
@@ -398,7 +400,7 @@ TEST_CASE("a bucket turns idle time into bandwidth, within its depth", "[sim][bu
   const bool torus = GENERATE(false, true);
   sim::cluster plain = gigabit();
   plain.nic.latency_s = 0;
-  sim::codec_model c = sim::codec_by_name(GENERATE(as<std::string>{}, "fp32", "int8"));
+  sim::codec_model c = bench::codec_by_name(GENERATE(as<std::string>{}, "fp32", "int8"));
   c.rates = some_gamma();
   const int size = 4;
   const std::size_t n = std::size_t{1} << 22;
@@ -430,20 +432,20 @@ TEST_CASE("the simulation fit recovers alpha, bandwidth, eta and the burst rate"
   sim::cluster truth = gigabit();
   truth.segment_bytes = std::size_t{1} << 20;
   truth.nic = {900e-6, 100e6, 0.65, 0, 300e6};
-  std::vector<sim::measured_run> runs;
+  std::vector<bench::measured_run> runs;
   for (double burst : {128.0 * 1024, 256.0 * 1024, 1024.0 * 1024})
     for (const char* topo : {"ring", "torus2d"})
       for (const char* codec : {"fp32", "int8"})
         for (std::size_t mib : {4, 16, 64}) {
-          sim::codec_model c = sim::codec_by_name(codec);
+          sim::codec_model c = bench::codec_by_name(codec);
           c.rates = some_gamma();
-          sim::measured_run m{{topo, 4, mib << 18}, c, 0, burst};
-          m.seconds = sim::simulate(m, truth);
+          bench::measured_run m{{topo, 4, mib << 18}, c, 0, burst};
+          m.seconds = bench::simulate(m, truth);
           runs.push_back(m);
         }
   // start where a closed-form fit would: no bucket, a rough latency and rate
   sim::link_params start{100e-6, 120e6, 0.8};
-  const sim::fit_result f = sim::fit_by_simulation(runs, truth, start);
+  const sim::fit_result f = bench::fit_by_simulation(runs, truth, start);
   CAPTURE(f.link.latency_s, f.link.bandwidth_Bps, f.link.exchange_efficiency, f.link.burst_rate_Bps, f.rms_relative_error);
   REQUIRE(f.rms_relative_error < 0.005);
   REQUIRE(f.link.bandwidth_Bps == Approx(100e6).epsilon(0.02));
@@ -455,55 +457,55 @@ TEST_CASE("the simulation fit recovers alpha, bandwidth, eta and the burst rate"
 TEST_CASE("a measurement is simulated with the segment size its bench line recorded", "[sim][fit]") {
   sim::cluster cl = gigabit();  // one segment at a time: every segment pays alpha, so the size shows
   cl.segment_bytes = std::size_t{1} << 20;
-  const std::map<std::string, sim::codec_model> models{{"fp32", sim::codec_by_name("fp32")}};
+  const std::map<std::string, sim::codec_model> models{{"fp32", bench::codec_by_name("fp32")}};
   const std::string line =
       R"({"op":"all_reduce","topology":"ring","codec":"fp32","transport":"mpi","ranks":4,"bytes":16777216,"time_us":250000.0)";
-  const auto plain = sim::run_of(*sim::parse_json_line(line + "}"), models, 0);
-  const auto small = sim::run_of(*sim::parse_json_line(line + R"(,"segment_bytes":262144})"), models, 0);
+  const auto plain = bench::run_of(*bench::parse_json_line(line + "}"), models, 0);
+  const auto small = bench::run_of(*bench::parse_json_line(line + R"(,"segment_bytes":262144})"), models, 0);
   REQUIRE(plain);
   REQUIRE(small);
   REQUIRE(plain->segment_bytes == 0);
   REQUIRE(small->segment_bytes == 262144);
   sim::cluster quarter = cl;
   quarter.segment_bytes = 262144;
-  REQUIRE(sim::simulate(*small, cl) == sim::simulate(*plain, quarter));
-  REQUIRE(sim::simulate(*small, cl) > sim::simulate(*plain, cl));  // 4x the segments, 4x the alphas
+  REQUIRE(bench::simulate(*small, cl) == bench::simulate(*plain, quarter));
+  REQUIRE(bench::simulate(*small, cl) > bench::simulate(*plain, cl));  // 4x the segments, 4x the alphas
   for (const char* bad : {R"("many")", "-1", "0", "1e6", "12abc", "99999999999999999999999"}) {
-    const auto o = sim::parse_json_line(line + ",\"segment_bytes\":" + bad + "}");
+    const auto o = bench::parse_json_line(line + ",\"segment_bytes\":" + bad + "}");
     REQUIRE(o);
-    REQUIRE_THROWS_WITH(sim::run_of(*o, models, 0), Catch::Contains("segment_bytes"));
+    REQUIRE_THROWS_WITH(bench::run_of(*o, models, 0), Catch::Contains("segment_bytes"));
   }
 }
 
 TEST_CASE("a bucket the simulator cannot model is refused", "[sim][bucket]") {
   sim::cluster cl = gigabit();
   cl.nic.burst_bytes = -1;
-  REQUIRE_THROWS_WITH(sim::simulator(cl, sim::codec_by_name("fp32")), Catch::Contains("burst_bytes"));
+  REQUIRE_THROWS_WITH(sim::simulator(cl, bench::codec_by_name("fp32")), Catch::Contains("burst_bytes"));
   cl.nic.burst_bytes = 1 << 16;
   cl.nic.burst_rate_Bps = cl.nic.bandwidth_Bps / 2;  // slower than the rate: not a burst
-  REQUIRE_THROWS_WITH(sim::simulator(cl, sim::codec_by_name("fp32")), Catch::Contains("above the bandwidth"));
+  REQUIRE_THROWS_WITH(sim::simulator(cl, bench::codec_by_name("fp32")), Catch::Contains("above the bandwidth"));
   cl.nic.burst_rate_Bps = 0;
   cl.switch_bandwidth_Bps = 1e9;
-  REQUIRE_THROWS_WITH(sim::simulator(cl, sim::codec_by_name("fp32")), Catch::Contains("shared core"));
+  REQUIRE_THROWS_WITH(sim::simulator(cl, bench::codec_by_name("fp32")), Catch::Contains("shared core"));
 }
 
 TEST_CASE("the simulation fit holds eta at 1 without exchanges and refuses empty measurements", "[sim][bucket]") {
   sim::cluster truth = gigabit();
   truth.nic = {300e-6, 100e6, 1.0, 128 * 1024, 0};
-  std::vector<sim::measured_run> runs;
+  std::vector<bench::measured_run> runs;
   for (std::size_t mib : {4, 16, 64}) {  // 4-rank rings only: every step one-way
-    sim::codec_model c = sim::codec_by_name("int8");
+    sim::codec_model c = bench::codec_by_name("int8");
     c.rates = some_gamma();
-    sim::measured_run m{{"ring", 4, mib << 18}, c, 0, -1};
-    m.seconds = sim::simulate(m, truth);
+    bench::measured_run m{{"ring", 4, mib << 18}, c, 0, -1};
+    m.seconds = bench::simulate(m, truth);
     runs.push_back(m);
   }
-  const sim::fit_result f = sim::fit_by_simulation(runs, truth, {100e-6, 120e6, 0.7});
+  const sim::fit_result f = bench::fit_by_simulation(runs, truth, {100e-6, 120e6, 0.7});
   REQUIRE(f.eta_tied);
   REQUIRE(f.link.exchange_efficiency == 1.0);
   REQUIRE(f.exchange_samples == 0);
   runs[1].seconds = 0;
-  REQUIRE_THROWS_WITH(sim::fit_by_simulation(runs, truth, {100e-6, 120e6, 0.7}), Catch::Contains("measurement"));
+  REQUIRE_THROWS_WITH(bench::fit_by_simulation(runs, truth, {100e-6, 120e6, 0.7}), Catch::Contains("measurement"));
 }
 
 TEST_CASE("sends running ahead by a window: shortcut = event run, an endless window = send-ahead", "[sim][ahead]") {
@@ -513,7 +515,7 @@ TEST_CASE("sends running ahead by a window: shortcut = event run, an endless win
   sim::cluster cl = gigabit();
   cl.segments_ahead = ahead;
   cl.nic.burst_bytes = 64 * 1024;
-  sim::codec_model c = sim::codec_by_name(GENERATE(as<std::string>{}, "fp32", "dyntree8"));
+  sim::codec_model c = bench::codec_by_name(GENERATE(as<std::string>{}, "fp32", "dyntree8"));
   c.rates = some_gamma();
   const std::size_t n = static_cast<std::size_t>(size) * 98304;  // several segments per step
   sim::simulator s(cl, c);
@@ -538,5 +540,182 @@ TEST_CASE("sends running ahead by a window: shortcut = event run, an endless win
 TEST_CASE("a negative window other than as_executor is refused", "[sim][ahead]") {
   sim::cluster cl = gigabit();
   cl.segments_ahead = -2;
-  REQUIRE_THROWS_WITH(sim::simulator(cl, sim::codec_by_name("fp32")), Catch::Contains("segments_ahead"));
+  REQUIRE_THROWS_WITH(sim::simulator(cl, bench::codec_by_name("fp32")), Catch::Contains("segments_ahead"));
+}
+
+namespace {
+// The lockstep::error that f throws; fails the test when f throws nothing or another type.
+template <class F>
+lockstep::error error_of(F&& f) {
+  try {
+    f();
+  } catch (const lockstep::error& e) {
+    return e;
+  } catch (const std::exception& e) {
+    FAIL("threw something other than lockstep::error: " << e.what());
+  }
+  FAIL("threw nothing");
+  throw;  // not reached: FAIL throws
+}
+}  // namespace
+
+TEST_CASE("the cost model and the simulator throw lockstep::error naming the operation", "[sim][error]") {
+  const sim::codec_model c = bench::codec_by_name("fp32");
+  SECTION("closed forms refuse groups and sizes they do not cover") {
+    auto e = error_of([&] { sim::ring_terms(0, 64, c, 1 << 20); });
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(e.op() == "sim::ring_terms");
+    CHECK_THAT(e.detail(), Catch::Contains("group size 0"));
+    e = error_of([&] { sim::ring_terms(4, 10, c, 1 << 20); });
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK_THAT(e.detail(), Catch::Contains("10 values do not split into 4 equal chunks"));
+    e = error_of([&] { sim::torus2d_terms(0, 4, 64, c, 1 << 20); });
+    CHECK(e.op() == "sim::torus2d_terms");
+    CHECK_THAT(e.detail(), Catch::Contains("shape 0x4"));
+    e = error_of([&] { sim::halving_doubling_terms(6, 60, c, 1 << 20); });
+    CHECK(e.op() == "sim::halving_doubling_terms");
+    CHECK_THAT(e.detail(), Catch::Contains("power-of-two group, not 6 ranks"));
+  }
+  SECTION("a cluster the simulator cannot model") {
+    sim::cluster cl = gigabit();
+    cl.ranks_per_host = 0;
+    const auto e = error_of([&] { sim::simulator(cl, c); });
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(e.op() == "sim::simulator");
+    CHECK(e.rank() == -1);
+    CHECK_THAT(e.detail(), Catch::Contains("ranks_per_host must be >= 1, not 0"));
+  }
+  SECTION("a group of no ranks") {
+    sim::simulator s(gigabit(), c);
+    const auto e = error_of([&] { s.run(0, 64, [](int r) { return topology::all_reduce_schedule(topology::ring{}, r, 1); }); });
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(e.op() == "sim::simulator::run");
+  }
+  SECTION("ranks whose schedules cut the buffer differently disagree: a mismatch naming the rank") {
+    sim::simulator s(gigabit(), c);
+    const auto e = error_of([&] {
+      s.run(3, 96, [](int r) {
+        topology::schedule sc = topology::all_reduce_schedule(topology::ring{}, r, 3);
+        if (r == 2) sc.chunks = 6;
+        return sc;
+      });
+    });
+    CHECK(e.code() == errc::mismatch);
+    CHECK(e.rank() == 2);
+    CHECK(e.peer() == 0);
+    CHECK_THAT(e.detail(), Catch::Contains("6 chunks, rank 0's into 3"));
+  }
+  SECTION("schedules that never meet: a mismatch naming the stuck rank and the peer it waits for") {
+    sim::simulator s(gigabit(), c);
+    const auto e = error_of([&] {
+      s.run(2, 64, [](int r) {
+        // rank 1 has nothing to do, so rank 0 waits for it forever
+        if (r == 1) return topology::schedule{1, 2, 2, {}, {1, 1}};
+        return topology::all_reduce_schedule(topology::ring{}, r, 2);
+      });
+    });
+    CHECK(e.code() == errc::mismatch);
+    CHECK(e.op() == "sim::simulator::run");
+    CHECK(e.rank() == 0);
+    CHECK(e.peer() == 1);
+    CHECK_THAT(e.detail(), Catch::Contains("never finished (stuck at step 0 of 2)"));
+  }
+  SECTION("a fit without enough measurements") {
+    const auto e = error_of([] { sim::fit_alpha_beta({sim::sample{1, 1000, 0, 1e-3, 0}}); });
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(e.op() == "sim::fit_alpha_beta");
+    CHECK_THAT(e.detail(), Catch::Contains("at least two measurements"));
+  }
+  SECTION("lockstep-sim's tooling: an unknown codec name") {
+    const auto e = error_of([] { bench::codec_by_name("fp16"); });
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(e.op() == "bench::codec_by_name");
+    CHECK_THAT(e.detail(), Catch::Contains("unknown codec 'fp16'"));
+  }
+}
+
+namespace {
+// A ring that does not declare its symmetry: the simulator must run every rank.
+struct plain_ring {
+  topology::ring r;
+  std::string name() const { return "plain_ring"; }
+  void validate(int size) const { r.validate(size); }
+  topology::schedule reduce_scatter(int rank, int size) const { return r.reduce_scatter(rank, size); }
+  topology::schedule all_gather(int rank, int size) const { return r.all_gather(rank, size); }
+};
+// A 2 x C torus that claims to be a 1 x N ring: its row steps do not move along the ring.
+struct false_claim : topology::torus2d {
+  false_claim() : topology::torus2d{2, 4} {}
+  topology::grid_symmetry symmetry(int size) const { return {1, size}; }
+};
+}  // namespace
+
+TEST_CASE("the simulator takes the shortcut where the topology declares its symmetry, and checks it", "[sim][symmetry]") {
+  static_assert(!topology::symmetric_topology<plain_ring> && topology::symmetric_topology<false_claim>);
+  sim::codec_model c = bench::codec_by_name("int8");
+  c.rates = some_gamma();
+  const sim::cluster cl = gigabit();
+  const std::size_t n = 8 * 24576;
+  sim::simulator s(cl, c);
+  s.set_symmetry_checks(0);
+  const double ring = s.all_reduce(topology::ring{}, 8, n).time_s;
+  REQUIRE(s.last_was_symmetric());
+  SECTION("no declared symmetry: every rank runs, to the same time") {
+    REQUIRE(s.all_reduce(plain_ring{}, 8, n).time_s == Approx(ring).epsilon(1e-12));
+    REQUIRE_FALSE(s.last_was_symmetric());
+  }
+  SECTION("a symmetry the schedules do not have is not trusted") {
+    const double t = s.all_reduce(false_claim{}, 8, n).time_s;
+    REQUIRE_FALSE(s.last_was_symmetric());
+    REQUIRE(t == Approx(full_run(cl, c, 8, n, true)).epsilon(1e-12));  // torus2d{} of 8 is 2 x 4
+  }
+}
+
+TEST_CASE("the cost model and the simulator cut and pipeline segments by the executor's rules", "[sim][pipeline]") {
+  const sim::codec_model d = bench::codec_by_name("dyntree8");
+  for (std::size_t bytes : {std::size_t{1}, std::size_t{1000}, std::size_t{1} << 20, pipeline::whole_chunk})
+    CHECK(sim::segment_elems(d, bytes) == pipeline::segment_elems(d.block, bytes));
+  SECTION("a whole-chunk segment (the device's) is one message per chunk") {
+    CHECK(sim::chunk_segments(1000, sim::segment_elems(d, pipeline::whole_chunk)) == 1);
+    sim::cluster whole = gigabit(), big = gigabit();
+    whole.segment_bytes = pipeline::whole_chunk;
+    big.segment_bytes = std::size_t{1} << 30;  // above any chunk here
+    sim::codec_model c = d;
+    c.rates = some_gamma();
+    const std::size_t n = 6 * 40000;
+    const double t = full_run(whole, c, 6, n, false);
+    REQUIRE(t == Approx(full_run(big, c, 6, n, false)).epsilon(1e-12));
+    REQUIRE(t == Approx(closed(whole, c, 6, n, false)).epsilon(1e-9));
+  }
+  SECTION("as_executor is pipeline::sends_ahead: a lossy codec runs lossy_sends_ahead segments ahead") {
+    sim::codec_model c = d;
+    c.rates = some_gamma();
+    sim::cluster executor = gigabit();
+    executor.nic.latency_s = 10e-3;  // above a segment's 2 ms on the wire: the window shows
+    sim::cluster window = executor;
+    executor.segments_ahead = sim::cluster::as_executor;
+    window.segments_ahead = static_cast<int>(pipeline::lossy_sends_ahead);
+    const std::size_t n = 4 * 524288;  // 8 segments of 256 KiB per chunk: more than either window
+    REQUIRE(full_run(executor, c, 4, n, false) == full_run(window, c, 4, n, false));
+    window.segments_ahead = static_cast<int>(pipeline::lossy_sends_ahead) - 1;
+    REQUIRE(full_run(executor, c, 4, n, false) != full_run(window, c, 4, n, false));
+  }
+}
+
+TEST_CASE("lockstep-sim knows every codec by the name it prints, error feedback included", "[sim][fit]") {
+  auto same = [](const sim::codec_model& a, const sim::codec_model& b) {
+    CHECK(a.name == b.name);
+    CHECK(a.identity == b.identity);
+    CHECK(a.block == b.block);
+    for (std::size_t n : {1u, 1000u, 1u << 20}) CHECK(a.wire_bytes(n) == b.wire_bytes(n));
+  };
+  same(bench::codec_by_name("fp32"), sim::model_of(codec::fp32{}));
+  same(bench::codec_by_name("int8", 64), sim::model_of(codec::int8{64}));
+  same(bench::codec_by_name("dyntree8+ef"), sim::model_of(codec::error_feedback<codec::dyntree8>{}));
+  same(bench::codec_by_name("int8+ef", 64), sim::model_of(codec::error_feedback<codec::int8>{codec::int8{64}}));
+  CHECK(bench::codec_by_name("dyntree8+ef").name == "dyntree8+ef");
+  // fp32 under error feedback encodes (through the residual): not the identity on the wire path
+  CHECK_FALSE(bench::codec_by_name("fp32+ef").identity);
+  CHECK_THROWS_AS(bench::codec_by_name("+ef"), lockstep::error);
+  CHECK_THROWS_AS(bench::codec_by_name("fp16+ef"), lockstep::error);
 }

@@ -146,3 +146,75 @@ TEST_CASE("schedules print as readable steps", "[topology]") {
   CHECK_THAT(text, Catch::Contains("[ag]"));
   static_assert(topology::topology<topology::ring> && topology::topology<topology::torus2d>);
 }
+
+TEST_CASE("a torus shape that does not fit names the calling rank", "[topology][torus2d]") {
+  auto error_of = [](auto&& f) -> lockstep::error {
+    try {
+      f();
+    } catch (const lockstep::error& e) {
+      return e;
+    }
+    FAIL("no lockstep::error thrown");
+    throw;
+  };
+  const topology::torus2d t{3, 3};
+  for (int rank : {0, 5}) {
+    CAPTURE(rank);
+    auto e = error_of([&] { t.reduce_scatter(rank, 8); });
+    CHECK(e.rank() == rank);
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK_THAT(e.detail(), Catch::Contains("shape 3x3 does not match a group of 8 ranks"));
+    CHECK(error_of([&] { t.all_gather(rank, 8); }).rank() == rank);
+    CHECK(error_of([&] { t.validate(8, rank); }).rank() == rank);
+    CHECK(error_of([&] { topology::ring{}.validate(0, rank); }).rank() == rank);
+  }
+  // No calling rank (a tool, not a member of the group): -1, as before.
+  CHECK(error_of([&] { t.validate(8); }).rank() == -1);
+  // The default shape refuses an empty group instead of dividing by its 0 columns.
+  CHECK(error_of([] { topology::torus2d{}.reduce_scatter(0, 0); }).rank() == 0);
+}
+
+// The symmetry ring and torus2d declare is checked here for every rank and step, not trusted.
+TEST_CASE("ring and torus2d schedules have the translation symmetry they declare", "[topology][symmetry]") {
+  static_assert(topology::symmetric_topology<topology::ring> && topology::symmetric_topology<topology::torus2d>);
+  auto check = [](const auto& t, int n) {
+    const topology::grid_symmetry sym = t.symmetry(n);
+    REQUIRE(sym.rows * sym.cols == n);
+    const schedule s0 = topology::all_reduce_schedule(t, 0, n);
+    for (int m = 0; m < n; ++m) {
+      const schedule sm = topology::all_reduce_schedule(t, m, n);
+      REQUIRE(sm.steps.size() == s0.steps.size());
+      for (std::size_t k = 0; k < s0.steps.size(); ++k) {
+        const auto &x = s0.steps[k], &y = sm.steps[k];
+        CAPTURE(n, sym.rows, sym.cols, m, k);
+        REQUIRE(sym.move(x.send_peer, m) == y.send_peer);
+        REQUIRE(sym.move(x.recv_peer, m) == y.recv_peer);
+        REQUIRE(x.send.count == y.send.count);
+        REQUIRE(x.recv.count == y.recv.count);
+        REQUIRE(x.act == y.act);
+        REQUIRE(x.phase == y.phase);
+      }
+    }
+  };
+  for (int n = 1; n <= 24; ++n) {
+    check(topology::ring{}, n);
+    check(topology::torus2d{}, n);
+    for (int r = 1; r <= n; ++r)
+      if (n % r == 0) check(topology::torus2d{r, n / r}, n);
+  }
+  CHECK(topology::ring{}.symmetry(6) == topology::grid_symmetry{1, 6});
+  CHECK(topology::torus2d{}.symmetry(12) == topology::grid_symmetry{3, 4});
+  CHECK(topology::torus2d{4, 3}.symmetry(12) == topology::grid_symmetry{4, 3});
+}
+
+TEST_CASE("grid_symmetry moves ranks on the torus and leaves 'no peer' alone", "[topology][symmetry]") {
+  constexpr topology::grid_symmetry g{3, 4};  // r = i*4 + j
+  static_assert(g.move(-1, 7) == -1);
+  static_assert(g.move(0, 7) == 7);
+  static_assert(g.move(7, 0) == 7);
+  CHECK(g.move(3, 1) == 0);    // (0,3) + (0,1) wraps the row
+  CHECK(g.move(9, 4) == 1);    // (2,1) + (1,0) wraps the column
+  CHECK(g.move(11, 5) == 0);   // (2,3) + (1,1) wraps both
+  constexpr topology::grid_symmetry ring{1, 5};
+  CHECK(ring.move(4, 3) == 2);
+}

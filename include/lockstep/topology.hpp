@@ -3,4 +3,5 @@
 #include "topology/concept.hpp"
 #include "topology/ring.hpp"
 #include "topology/schedule.hpp"
+#include "topology/symmetry.hpp"
 #include "topology/torus2d.hpp"

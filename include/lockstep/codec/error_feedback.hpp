@@ -14,17 +14,41 @@
 // throws instead. forget(buffer) drops a buffer about to be freed, reset() drops all.
 #pragma once
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <iterator>
 #include <map>
 #include <string>
+#include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../core/error.hpp"
 #include "concept.hpp"
 
 namespace lockstep::codec {
+
+namespace detail {
+// A codec whose name() is a constant of its type (every codec lockstep ships).
+template <class C>
+concept constant_name = requires { typename std::integral_constant<std::size_t, C::name().size()>; };
+
+// C::name() + "+ef", kept in static storage so that name() can hand out a string_view as the
+// plain codecs do.
+template <constant_name C>
+struct feedback_name {
+  static constexpr std::string_view inner = C::name(), suffix = "+ef";
+  static constexpr std::array<char, inner.size() + suffix.size()> chars = [] {
+    std::array<char, inner.size() + suffix.size()> a{};
+    for (std::size_t i = 0; i < inner.size(); ++i) a[i] = inner[i];
+    for (std::size_t i = 0; i < suffix.size(); ++i) a[inner.size() + i] = suffix[i];
+    return a;
+  }();
+  static constexpr std::string_view value{chars.data(), chars.size()};
+};
+}  // namespace detail
 
 // How many (buffer, count, phase) keys an error_feedback keeps residuals for by default; the device
 // group applies the same object's bound to the residuals it keeps for it.
@@ -39,7 +63,14 @@ class error_feedback {
   explicit error_feedback(C inner, std::size_t max_buffers = error_feedback_max_buffers)
       : inner_(std::move(inner)), max_buffers_(max_buffers) {}
 
-  constexpr auto name() const noexcept { return inner_.name(); }
+  // "dyntree8+ef": labels and error messages say that error feedback is on.
+  constexpr auto name() const noexcept(detail::constant_name<C>) {
+    if constexpr (detail::constant_name<C>) return detail::feedback_name<C>::value;
+    else return std::string(inner_.name()) + "+ef";
+  }
+  // The inner codec's: the wire format is the same with and without error feedback (the residual
+  // stays on the rank that encodes), so a rank with it and a rank without exchange valid data.
+  // Whether to use it is each rank's choice, not an agreement the ranks must check.
   constexpr std::uint32_t id() const noexcept { return inner_.id(); }
   constexpr std::size_t block() const noexcept { return inner_.block(); }
   constexpr std::size_t wire_bytes(std::size_t n) const noexcept { return inner_.wire_bytes(n); }

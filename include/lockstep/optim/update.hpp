@@ -159,7 +159,7 @@ class sweep {
   sweep(const O& opt, const param_set& ps, float* w, const float* g, state& st, step_context ctx,
         std::uint16_t* bf, thread_pool& pool)
       : opt_(opt), ps_(ps), w_(w), g_(g), v_(opt.uses_momentum() ? st.momentum().data() : nullptr),
-        bf_(bf), st_(st), ctx_(ctx), pool_(pool), sums_(ps.tensor_count()), coeffs_(ps.tensor_count()),
+        bf_(bf), st_(st), ctx_(ctx), pool_(pool), coeffs_(ps.tensor_count()),
         ready_(ps.tensor_count(), 0) {}
 
   bool needs_sums(std::size_t t) const noexcept { return opt_.sums(ps_[t].exempt).any(); }
@@ -212,12 +212,9 @@ class sweep {
   }
 
   void set_coeffs(std::size_t t, const tensor_sums& s) {
-    sums_[t] = s;
     coeffs_[t] = opt_.coefficients(ctx_, s, ps_[t].exempt);
     ready_[t] = 1;
   }
-  const tensor_sums& sums(std::size_t t) const noexcept { return sums_[t]; }
-  const typename O::coeffs& coeffs(std::size_t t) const noexcept { return coeffs_[t]; }
 
   // The update of `tensors` restricted to [lo, hi), in parallel; their coefficients must be set.
   void apply(std::span<const std::size_t> tensors, std::size_t lo = 0, std::size_t hi = all) {
@@ -366,7 +363,6 @@ class sweep {
   state& st_;
   step_context ctx_;
   thread_pool& pool_;
-  std::vector<tensor_sums> sums_;               // (tensor)
   std::vector<typename O::coeffs> coeffs_;      // (tensor)
   std::vector<unsigned char> ready_;            // (tensor): coefficients set this step
   std::vector<std::size_t> range_;              // tensor indices of the current call

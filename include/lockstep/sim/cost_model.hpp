@@ -12,7 +12,8 @@
 // forwards wire bytes) but does not overlap codec work with transfer: it is exact when a step is
 // one segment or gamma is 0 (with send_ahead, the executor variant that posts a step's sends at
 // once: exact when gamma is 0), and an upper bound when segments pipeline (sim/simulator.hpp models
-// that overlap). The formulas are those of /work/shared/papers.md:
+// that overlap). The formulas are the papers' (ring: Patarasuk & Yuan 2009; 2-D torus: Ying et al.
+// 2018; halving-doubling: Thakur, Rabenseifner & Gropp 2005):
 //   ring              2(N-1) alpha + 2(N-1)/N S beta
 //   2-D torus R x C   2(R+C-2) alpha + 2(N-1)/N S beta
 //   halving-doubling  2 log2(N) alpha + 2(N-1)/N S beta   (no schedule in topology/ yet: closed form only)
@@ -26,11 +27,12 @@
 #include <cmath>
 #include <cstddef>
 #include <functional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../codec/concept.hpp"
+#include "../collective/pipeline.hpp"
+#include "../core/error.hpp"
 
 namespace lockstep::sim {
 
@@ -111,16 +113,24 @@ codec_rates measure_rates(const C& c, std::size_t n = std::size_t{1} << 22, int 
     return b / static_cast<double>(n);
   };
   codec_rates r;
-  r.encode_s = C::identity ? 0.0 : best([&] { c.encode(x.data(), n, wire.data()); });
+  if constexpr (codec::feedback_codec<C>) {
+    // What the executor runs for such a codec: the encode through the residual (add, encode,
+    // decode, subtract), not the bare inner encode.
+    C fc = c;
+    std::vector<float> residual(n, 0.0f);
+    r.encode_s = best([&] { fc.encode_with_residual(x.data(), n, wire.data(), residual.data()); });
+  } else {
+    r.encode_s = C::identity ? 0.0 : best([&] { c.encode(x.data(), n, wire.data()); });
+  }
   c.encode(x.data(), n, wire.data());
   r.decode_s = C::identity ? 0.0 : best([&] { c.decode(wire.data(), n, acc.data()); });
   r.decode_add_s = best([&] { c.decode_add(wire.data(), n, acc.data()); });
   return r;
 }
 
-// The executor's segment length in elements: a multiple of the codec block, about segment_bytes.
+// The executor's segment length in elements, by the executor's own rule (collective/pipeline.hpp).
 inline std::size_t segment_elems(const codec_model& c, std::size_t segment_bytes) {
-  return std::max(c.block, segment_bytes / sizeof(float) / c.block * c.block);
+  return pipeline::segment_elems(c.block, segment_bytes);
 }
 
 // Wire bytes of one chunk of len values, cut into segments as the executor cuts it.
@@ -128,7 +138,8 @@ inline std::size_t chunk_wire_bytes(const codec_model& c, std::size_t len, std::
   const std::size_t full = len / seg, rem = len % seg;
   return full * c.message_bytes(seg) + (rem ? c.message_bytes(rem) : 0);
 }
-inline std::size_t chunk_segments(std::size_t len, std::size_t seg) { return (len + seg - 1) / seg; }
+// Not (len + seg - 1) / seg: a whole-chunk segment (pipeline::whole_chunk) is near SIZE_MAX.
+inline std::size_t chunk_segments(std::size_t len, std::size_t seg) { return len / seg + (len % seg != 0); }
 
 // Critical-path counts of one rank; time() turns them into seconds.
 struct cost_terms {
@@ -177,18 +188,20 @@ inline void add_finalize(cost_terms& t, const codec_model& c, int size, std::siz
   t.encode_elems += static_cast<double>(chunk);  // the owner quantises its final values once
   t.decode_elems += static_cast<double>(chunk);  // and keeps their decoded image
 }
-inline void check(int size, std::size_t n, std::size_t chunks) {
-  if (size < 1) throw std::invalid_argument("cost model: group size " + std::to_string(size));
+inline void check(const char* op, int size, std::size_t n) {
+  if (size < 1) throw error(errc::invalid_argument, op, -1, -1, "group size " + std::to_string(size) + ", not >= 1");
+  const auto chunks = static_cast<std::size_t>(size);
   if (n % chunks)
-    throw std::invalid_argument("cost model: " + std::to_string(n) + " values do not split into " +
-                                std::to_string(chunks) + " equal chunks; the closed forms assume they do");
+    throw error(errc::invalid_argument, op, -1, -1,
+                std::to_string(n) + " values do not split into " + std::to_string(chunks) +
+                    " equal chunks; the closed forms assume they do");
 }
 }  // namespace detail
 
 // n fp32 values, N ranks; segment_bytes as the group would use (the transport's default).
 inline cost_terms ring_terms(int size, std::size_t n, const codec_model& c, std::size_t segment_bytes,
                              bool handshake = true, bool send_ahead = false) {
-  detail::check(size, n, static_cast<std::size_t>(size));
+  detail::check("sim::ring_terms", size, n);
   cost_terms t;
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   detail::add_ring(t, c, size, 1, chunk, seg, send_ahead);
@@ -200,8 +213,11 @@ inline cost_terms ring_terms(int size, std::size_t n, const codec_model& c, std:
 // Columns first, as topology::torus2d runs it: rings of R over parts of C chunks, then rings of C.
 inline cost_terms torus2d_terms(int rows, int cols, std::size_t n, const codec_model& c,
                                 std::size_t segment_bytes, bool handshake = true, bool send_ahead = false) {
+  if (rows < 1 || cols < 1)
+    throw error(errc::invalid_argument, "sim::torus2d_terms", -1, -1,
+                "shape " + std::to_string(rows) + "x" + std::to_string(cols) + ": both sides must be >= 1");
   const int size = rows * cols;
-  detail::check(size, n, static_cast<std::size_t>(size));
+  detail::check("sim::torus2d_terms", size, n);
   cost_terms t;
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   detail::add_ring(t, c, rows, static_cast<std::size_t>(cols), chunk, seg, send_ahead);
@@ -214,8 +230,10 @@ inline cost_terms torus2d_terms(int rows, int cols, std::size_t n, const codec_m
 // Recursive halving (reduce-scatter) then doubling (all-gather); N a power of two.
 inline cost_terms halving_doubling_terms(int size, std::size_t n, const codec_model& c,
                                          std::size_t segment_bytes, bool handshake = true, bool send_ahead = false) {
-  if (size < 1 || (size & (size - 1))) throw std::invalid_argument("halving-doubling needs a power-of-two group, not " + std::to_string(size));
-  detail::check(size, n, static_cast<std::size_t>(size));
+  if (size < 1 || (size & (size - 1)))
+    throw error(errc::invalid_argument, "sim::halving_doubling_terms", -1, -1,
+                "halving-doubling needs a power-of-two group, not " + std::to_string(size) + " ranks");
+  detail::check("sim::halving_doubling_terms", size, n);
   cost_terms t;
   const std::size_t chunk = n / static_cast<std::size_t>(size), seg = segment_elems(c, segment_bytes);
   for (int half = size / 2; half >= 1; half /= 2) {

@@ -38,14 +38,14 @@
 #include <functional>
 #include <limits>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "../collective/pipeline.hpp"
+#include "../core/error.hpp"
 #include "../topology/concept.hpp"
-#include "../topology/ring.hpp"
-#include "../topology/torus2d.hpp"
 #include "../topology/schedule.hpp"
+#include "../topology/symmetry.hpp"
 #include "cost_model.hpp"
 
 namespace lockstep::sim {
@@ -127,6 +127,7 @@ struct run {
 struct compact_schedule {
   std::vector<run> runs;
   std::uint32_t steps = 0, chunks = 1;
+  std::uint32_t finalize_at = 0;  // the owner's encode + decode runs before this step
   topology::chunk_span owned;
   std::vector<int> recv_peers;  // distinct, for the handshake
 };
@@ -135,6 +136,7 @@ inline compact_schedule compress(const topology::schedule& s) {
   compact_schedule c;
   c.steps = static_cast<std::uint32_t>(s.steps.size());
   c.chunks = s.chunks;
+  c.finalize_at = static_cast<std::uint32_t>(pipeline::finalize_step(s));
   c.owned = s.owned;
   for (const topology::step& st : s.steps) {
     const bool red = st.act == topology::action::reduce, rs = st.phase == topology::phase::reduce_scatter;
@@ -195,28 +197,35 @@ struct segment_cursor {
 class simulator {
  public:
   simulator(const cluster& cl, const codec_model& codec) : cl_(cl), codec_(codec) {
-    if (cl_.segments_ahead < cluster::as_executor) throw std::invalid_argument("cluster: segments_ahead must be >= 0 or as_executor");
+    auto bad = [](const std::string& why) { return error(errc::invalid_argument, "sim::simulator", -1, -1, why); };
+    if (cl_.segments_ahead < cluster::as_executor)
+      throw bad("cluster.segments_ahead must be >= 0 or as_executor, not " + std::to_string(cl_.segments_ahead));
+    // Sends lead receives by ahead_ segments (the executor's `ahead`); the executor's own window is
+    // pipeline::sends_ahead of a step with more sends than any lead can reach.
     constexpr std::int64_t all = std::numeric_limits<std::int64_t>::max();
     ahead_ = cl_.send_ahead ? all
-             : cl_.segments_ahead == cluster::as_executor ? (codec_.identity ? all : 4)
-                                                          : cl_.segments_ahead;
-    if (cl_.ranks_per_host < 1) throw std::invalid_argument("cluster: ranks_per_host must be >= 1");
-    if (cl_.nic.bandwidth_Bps <= 0 || cl_.local.bandwidth_Bps <= 0) throw std::invalid_argument("cluster: bandwidths must be > 0");
+             : cl_.segments_ahead == cluster::as_executor
+                 ? static_cast<std::int64_t>(pipeline::sends_ahead(codec_.identity, static_cast<std::size_t>(all), false))
+                 : cl_.segments_ahead;
+    if (cl_.ranks_per_host < 1) throw bad("cluster.ranks_per_host must be >= 1, not " + std::to_string(cl_.ranks_per_host));
+    if (!(cl_.nic.bandwidth_Bps > 0) || !(cl_.local.bandwidth_Bps > 0))
+      throw bad("cluster bandwidths must be > 0, not " + std::to_string(cl_.nic.bandwidth_Bps) + " B/s (nic) and " +
+                std::to_string(cl_.local.bandwidth_Bps) + " B/s (local)");
     for (const link_params* l : {&cl_.nic, &cl_.local})
       if (!(l->exchange_efficiency > 0 && l->exchange_efficiency <= 1))
-        throw std::invalid_argument("cluster: exchange_efficiency must be in (0, 1]");
-    if (!(cl_.nic.burst_bytes >= 0)) throw std::invalid_argument("cluster: burst_bytes must be >= 0");
+        throw bad("cluster exchange_efficiency must be in (0, 1], not " + std::to_string(l->exchange_efficiency));
+    if (!(cl_.nic.burst_bytes >= 0)) throw bad("cluster.nic.burst_bytes must be >= 0, not " + std::to_string(cl_.nic.burst_bytes));
     if (!(cl_.nic.burst_rate_Bps == 0 || cl_.nic.burst_rate_Bps > cl_.nic.bandwidth_Bps))
-      throw std::invalid_argument("cluster: burst_rate_Bps must be 0 (at once) or above the bandwidth (" +
-                                  std::to_string(cl_.nic.bandwidth_Bps) + " B/s), not " + std::to_string(cl_.nic.burst_rate_Bps));
+      throw bad("cluster.nic.burst_rate_Bps must be 0 (at once) or above the bandwidth (" +
+                std::to_string(cl_.nic.bandwidth_Bps) + " B/s), not " + std::to_string(cl_.nic.burst_rate_Bps));
     if (cl_.nic.burst_bytes > 0 && cl_.switch_bandwidth_Bps > 0)
-      throw std::invalid_argument("cluster: token buckets (burst_bytes) are modelled on a non-blocking switch only, "
-                                  "not behind a shared core (switch_bandwidth_Bps)");
+      throw bad("token buckets (cluster.nic.burst_bytes) are modelled on a non-blocking switch only, "
+                "not behind a shared core (cluster.switch_bandwidth_Bps)");
   }
 
   result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
              bool finalize_owned = true) {
-    if (size < 1) throw std::invalid_argument("simulator: group size " + std::to_string(size));
+    if (size < 1) throw error(errc::invalid_argument, "sim::simulator::run", -1, -1, "group size " + std::to_string(size) + ", not >= 1");
     last_symmetric_ = false;
     size_ = size;
     n_ = n;
@@ -234,7 +243,9 @@ class simulator {
       rank_state& R = ranks_[static_cast<std::size_t>(r)];
       R.sched = detail::compress(schedule_of(r));
       if (r > 0 && R.sched.chunks != ranks_[0].sched.chunks)
-        throw std::invalid_argument("simulator: ranks cut the buffer into different numbers of chunks");
+        throw error(errc::mismatch, "sim::simulator::run", r, 0,
+                    "this rank's schedule cuts the buffer into " + std::to_string(R.sched.chunks) + " chunks, rank 0's into " +
+                        std::to_string(ranks_[0].sched.chunks));
       max_steps = std::max<std::uint64_t>(max_steps, R.sched.steps);
       R.send.n = R.recv.n = n;
       R.send.chunks = R.recv.chunks = R.sched.chunks;
@@ -262,8 +273,9 @@ class simulator {
     for (int r = 0; r < size; ++r) {
       const rank_state& R = ranks_[static_cast<std::size_t>(r)];
       if (!R.finished)
-        throw std::logic_error("simulator: rank " + std::to_string(r) + " never finished (stuck at step " +
-                               std::to_string(R.step) + "): the schedules do not match each other");
+        throw error(errc::mismatch, "sim::simulator::run", r, R.waiting == wait::recv ? R.recv_peer : -1,
+                    "never finished (stuck at step " + std::to_string(R.step) + " of " + std::to_string(R.sched.steps) +
+                        "): the ranks' schedules do not match each other");
       res.time_s = std::max(res.time_s, R.t);
       res.min_time_s = std::min(res.min_time_s, R.t);
     }
@@ -274,12 +286,15 @@ class simulator {
     return res;
   }
 
+  // A topology that declares its symmetry (topology/symmetry.hpp) may take the shortcut; any other
+  // runs every rank.
   template <topology::topology T>
   result all_reduce(const T& topo, int size, std::size_t n) {
     topo.validate(size);
     auto schedule_of = [&](int r) { return topology::all_reduce_schedule(topo, r, size); };
-    if (auto shape = translation_shape(topo, size); shape && symmetric_cluster(n, size)) {
-      if (auto r = run_symmetric(size, n, *shape, schedule_of)) return *r;
+    if constexpr (topology::symmetric_topology<T>) {
+      if (symmetric_cluster(n, size))
+        if (auto r = run_symmetric(size, n, topo.symmetry(size), schedule_of)) return *r;
     }
     return run(size, n, schedule_of, true);
   }
@@ -332,35 +347,25 @@ class simulator {
   // peer p at (step k, segment j) was posted by p at the time rank 0 posted its own (k, j), and it
   // queued on rank 0's ingress exactly as rank 0's own (k, j) queued on its peer's ingress. So one
   // rank simulated with one egress and one ingress clock is the exact answer, not an estimate.
-  // The schedule condition is what run_symmetric checks; ring is the 1 x N grid, torus2d R x C.
-  static std::optional<std::pair<int, int>> translation_shape(const topology::ring&, int size) {
-    return std::pair{1, size};
-  }
-  static std::optional<std::pair<int, int>> translation_shape(const topology::torus2d& t, int size) {
-    return t.shape(size);
-  }
-  template <class T>
-  static std::optional<std::pair<int, int>> translation_shape(const T&, int) {
-    return std::nullopt;
-  }
+  // The schedule condition is what a topology's symmetry() declares (ring: the 1 x N grid, torus2d:
+  // R x C) and what run_symmetric checks before it trusts it.
   bool symmetric_cluster(std::size_t n, int size) const noexcept {
     return !no_symmetry_ && cl_.ranks_per_host == 1 && cl_.switch_bandwidth_Bps <= 0 && n % static_cast<std::size_t>(size) == 0;
   }
 
-  std::optional<result> run_symmetric(int size, std::size_t n, std::pair<int, int> shape,
+  std::optional<result> run_symmetric(int size, std::size_t n, topology::grid_symmetry sym,
                                       const std::function<topology::schedule(int)>& schedule_of) {
     last_symmetric_ = false;
-    const int rows = shape.first, C = shape.second;
+    if (sym.rows < 1 || sym.cols < 1 || static_cast<long long>(sym.rows) * sym.cols != size) return std::nullopt;
+    const int C = sym.cols;
     const topology::schedule s0 = schedule_of(0);
     if (s0.chunks != static_cast<std::uint32_t>(size) && n % s0.chunks) return std::nullopt;
-    auto move = [&](int x, int a, int b) { return x < 0 ? x : ((x / C + a) % rows) * C + (x % C + b) % C; };
     auto matches = [&](int r) {
       const topology::schedule sr = schedule_of(r);
       if (sr.steps.size() != s0.steps.size() || sr.chunks != s0.chunks || sr.owned.count != s0.owned.count) return false;
-      const int a = r / C, b = r % C;
       for (std::size_t k = 0; k < s0.steps.size(); ++k) {
         const topology::step &x = s0.steps[k], &y = sr.steps[k];
-        if (move(x.send_peer, a, b) != y.send_peer || move(x.recv_peer, a, b) != y.recv_peer ||
+        if (sym.move(x.send_peer, r) != y.send_peer || sym.move(x.recv_peer, r) != y.recv_peer ||
             x.send.count != y.send.count || x.recv.count != y.recv.count || x.act != y.act || x.phase != y.phase)
           return false;
       }
@@ -456,9 +461,7 @@ class simulator {
   }
 
   void maybe_finalize(rank_state& R) {
-    if (R.finalized) return;
-    const bool more_rs = R.step < R.sched.steps && R.sched.runs[R.run].reduce_scatter;
-    if (more_rs) return;
+    if (R.finalized || R.step < R.sched.finalize_at) return;
     R.finalized = true;
     if (codec_.identity || size_ < 2) return;
     detail::segment_cursor own = R.send;

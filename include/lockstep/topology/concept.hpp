@@ -7,6 +7,11 @@
 //                                   every rank holding every chunk
 //   t.validate(size)                throws lockstep::error when the topology cannot span `size`
 //                                   ranks (a torus shape that does not match, say)
+// and optionally
+//   t.validate(size, rank)          the same, naming the calling rank in the error
+//   t.symmetry(size)                a grid_symmetry (topology/symmetry.hpp): every rank's schedule
+//                                   is rank 0's with the peers translated on an R x C grid; the
+//                                   simulator then runs one rank instead of all of them
 // all_reduce is reduce_scatter followed by all_gather; broadcast is scatter_from(root) followed by
 // all_gather. Topologies are small values (torus2d carries its shape).
 #pragma once

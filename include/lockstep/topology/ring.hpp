@@ -7,14 +7,17 @@
 
 #include "../core/error.hpp"
 #include "schedule.hpp"
+#include "symmetry.hpp"
 
 namespace lockstep::topology {
 
 struct ring {
   std::string name() const { return "ring"; }
-  void validate(int size) const {
-    if (size < 1) throw error(errc::invalid_argument, "ring", -1, -1, "group size " + std::to_string(size));
+  void validate(int size, int rank = -1) const {
+    if (size < 1) throw error(errc::invalid_argument, "ring", rank, -1, "group size " + std::to_string(size));
   }
+  // Rank m's steps are rank 0's with every peer moved m places along the ring.
+  grid_symmetry symmetry(int size) const { return {1, size}; }
   schedule reduce_scatter(int rank, int size) const {
     schedule s{rank, size, static_cast<std::uint32_t>(size), {}, {static_cast<std::uint32_t>(rank), 1}};
     ring_reduce_scatter(s, size, rank, [](int p) { return p; }, 0, 1);

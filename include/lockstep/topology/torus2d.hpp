@@ -13,9 +13,11 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "../core/error.hpp"
 #include "schedule.hpp"
+#include "symmetry.hpp"
 
 namespace lockstep::topology {
 
@@ -23,29 +25,34 @@ struct torus2d {
   int rows = 0;  // 0 and 0: the most square factorisation of the group size, rows <= cols
   int cols = 0;
 
-  // rows x cols for `size` ranks; throws when a given shape does not match.
-  std::pair<int, int> shape(int size) const {
-    if (rows == 0 && cols == 0) {
-      int r = 1;
-      for (int d = 1; d * d <= size; ++d)
-        if (size % d == 0) r = d;
-      return {r, size / r};
-    }
-    validate(size);
-    return {rows, cols};
+  // rows x cols for `size` ranks; throws when a given shape does not match (naming `rank`, the
+  // caller, where it is one).
+  std::pair<int, int> shape(int size, int rank = -1) const {
+    validate(size, rank);
+    if (rows != 0 || cols != 0) return {rows, cols};
+    int r = 1;
+    for (int d = 1; d * d <= size; ++d)
+      if (size % d == 0) r = d;
+    return {r, size / r};
   }
-  void validate(int size) const {
-    if (size < 1) throw error(errc::invalid_argument, "torus2d", -1, -1, "group size " + std::to_string(size));
+  void validate(int size, int rank = -1) const {
+    if (size < 1) throw error(errc::invalid_argument, "torus2d", rank, -1, "group size " + std::to_string(size));
     if (rows == 0 && cols == 0) return;
     if (rows < 1 || cols < 1 || static_cast<long long>(rows) * cols != size)
-      throw error(errc::invalid_argument, "torus2d", -1, -1,
+      throw error(errc::invalid_argument, "torus2d", rank, -1,
                   "shape " + std::to_string(rows) + "x" + std::to_string(cols) +
                       " does not match a group of " + std::to_string(size) + " ranks");
+  }
+  // Rank (a, b)'s steps are rank 0's with every peer moved a rows and b columns: both rings of
+  // every rank run the same steps over the same spans.
+  grid_symmetry symmetry(int size) const {
+    const auto [r, c] = shape(size);
+    return {r, c};
   }
   std::string name() const { return "torus2d"; }
 
   schedule reduce_scatter(int rank, int size) const {
-    const auto [R, C] = shape(size);
+    const auto [R, C] = shape(size, rank);
     const int i = rank / C, j = rank % C;
     schedule s{rank, size, static_cast<std::uint32_t>(size), {}, {static_cast<std::uint32_t>(rank), 1}};
     ring_reduce_scatter(s, R, i, [&, j = j](int p) { return p * C + j; }, 0, static_cast<std::uint32_t>(C));
@@ -53,7 +60,7 @@ struct torus2d {
     return s;
   }
   schedule all_gather(int rank, int size) const {
-    const auto [R, C] = shape(size);
+    const auto [R, C] = shape(size, rank);
     const int i = rank / C, j = rank % C;
     schedule s{rank, size, static_cast<std::uint32_t>(size), {}, {static_cast<std::uint32_t>(rank), 1}};
     ring_all_gather(s, C, j, [&, i = i](int q) { return i * C + q; }, static_cast<std::uint32_t>(i * C), 1);
