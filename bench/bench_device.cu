@@ -22,7 +22,7 @@
 
 #include <lockstep/lockstep.hpp>
 #include <lockstep/device/codec.hpp>
-#include <lockstep/device/collectives.hpp>
+#include <lockstep/device/space.hpp>
 #include <lockstep/device/optim.hpp>
 #include <lockstep/optim/sgd.hpp>
 #include <lockstep/transport/inproc_device.hpp>
@@ -123,16 +123,16 @@ void bench_allreduce(const Topo& topo, const C& proto, std::size_t n, int ranks)
   std::barrier sync(ranks);
   double us = 0;
   const int reps = 5;
-  run_inproc_device(ranks, [&](device::group<transport::inproc_device>& g) {
+  run_inproc_device(ranks, [&](group<transport::inproc_device>& g) {
     C c = proto;
     device::buffer<float> x(n, g.stream());
     fill(x.data(), n, g.stream());
     const std::span<float> v(x.data(), n);
-    device::all_reduce(g, v, topo, c);  // warm: scratch allocated, kernels loaded
+    all_reduce(g, v, topo, c);  // warm: scratch allocated, kernels loaded
     LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(g.stream()));
     sync.arrive_and_wait();
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < reps; ++i) device::all_reduce_async(g, v, topo, c);
+    for (int i = 0; i < reps; ++i) all_reduce_async(g, v, topo, c);
     LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(g.stream()));
     sync.arrive_and_wait();
     if (g.rank() == 0) us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / reps;
@@ -150,17 +150,17 @@ void every_topology(const C& c, std::size_t n) {
 
 #if defined(LOCKSTEP_BENCH_NCCL)
 template <class C>
-void bench_nccl_codec(device::group<transport::nccl>& g, const C& proto, float* x, std::size_t n) {
+void bench_nccl_codec(group<transport::nccl>& g, const C& proto, float* x, std::size_t n) {
   C c = proto;
   emit("nccl", "all_reduce 1 rank", std::string(c.name()), 4.0 * n,
-       time_us(g.stream(), 10, [&] { device::all_reduce_async(g, std::span<float>(x, n), topology::ring{}, c); }));
+       time_us(g.stream(), 10, [&] { all_reduce_async(g, std::span<float>(x, n), topology::ring{}, c); }));
 }
 
 void bench_nccl(std::size_t n) {
   int dev = 0;
   LOCKSTEP_CUDA_CHECK(cudaGetDevice(&dev));
   device::stream s;
-  device::group<transport::nccl> g(transport::nccl(transport::nccl::communicator::init_all({dev})[0], s.get()));
+  group<transport::nccl> g(transport::nccl(transport::nccl::communicator::init_all({dev})[0], s.get()));
   device::buffer<float> a(n, s.get()), b(n, s.get());
   fill(a.data(), n, s.get());
   auto& t = g.transport();

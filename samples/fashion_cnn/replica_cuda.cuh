@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/device/collectives.hpp>
+#include <lockstep/device/space.hpp>
 #include <lockstep/device/optim.hpp>
 #include <lockstep/transport/inproc_device.hpp>
 
@@ -65,7 +65,7 @@ class gpu_replica {
       auto [first, last] = m_.L.buckets[static_cast<std::size_t>(k)];
       ready_[static_cast<std::size_t>(k)].record(compute);
       LOCKSTEP_SAMPLE_CHECK(cudaStreamWaitEvent(comm, ready_[static_cast<std::size_t>(k)].get(), 0));
-      pending_[static_cast<std::size_t>(k)] = lockstep::device::all_reduce_async(
+      pending_[static_cast<std::size_t>(k)] = lockstep::all_reduce_async(
           dg_, std::span<float>(m_.grads.data() + first, last - first), topo_, codec_, lockstep::reduce_op::average);
     });
     lockstep::device::update_async(opt_, table_, lockstep::optim::step_context{lr, 1.0f}, m_.params.data(),
@@ -142,7 +142,7 @@ class gpu_replica {
   lockstep::optim::param_set ps_;
   lockstep::device::param_table table_;
   gpu::dbuf<float> v_;  // momentum, on the device
-  std::vector<lockstep::device::request> pending_;
+  std::vector<lockstep::request> pending_;
   std::vector<lockstep::device::event> ready_;  // per bucket: its gradients are written
   lockstep::device::event updated_;             // the last update is done
 };
@@ -181,7 +181,7 @@ inline run_result train_inproc_cuda(const options& o) {
   lockstep::run_inproc(o.ranks, [&](auto& host) {
     LOCKSTEP_SAMPLE_CHECK(cudaSetDevice(dev));
     lockstep::device::stream comm;  // before the group: the group frees its scratch on it
-    lockstep::device::group<lockstep::transport::inproc_device> dg(
+    lockstep::group<lockstep::transport::inproc_device> dg(
         lockstep::transport::inproc_device(device_world, host.rank(), comm.get()));
     train_dispatch_cuda(host, dg, o, data, result);
   });

@@ -53,7 +53,7 @@ int train_mpi_nccl(fashion::options o, int devices, int* argc, char*** argv) {
   lockstep::transport::nccl::check(ncclCommInitRank(&comm, world.size(), id, world.rank()), "ncclCommInitRank",
                                    world.rank());
   lockstep::device::stream s;  // before the group: the group frees its scratch on it
-  lockstep::device::group<lockstep::transport::nccl> dg(
+  lockstep::group<lockstep::transport::nccl> dg(
       lockstep::transport::nccl(lockstep::transport::nccl::communicator(comm), s.get()));
   fashion::run_result r;
   fashion::train_dispatch_cuda(world, dg, o, data, r);

@@ -4,9 +4,7 @@
 // definition" link error of every GPU test, here and not in a user's program that includes
 // lockstep from two .cu files.
 #include <lockstep/device/codec.hpp>
-#include <lockstep/device/collectives.hpp>
-#include <lockstep/device/executor.hpp>
-#include <lockstep/device/group.hpp>
+#include <lockstep/device/space.hpp>
 #include <lockstep/device/optim.hpp>
 #include <lockstep/device/reduce.hpp>
 #include <lockstep/device/runtime.hpp>

@@ -156,7 +156,7 @@ void compare_fused_step(int ranks, const O& opt, const Topo& topo, const Codec& 
     host[g.rank()] = w;
     host_bf[g.rank()] = bf;
   });
-  run_inproc_device(ranks, [&](device::group<transport::inproc_device>& g) {
+  run_inproc_device(ranks, [&](group<transport::inproc_device>& g) {
     Codec c = proto;
     device::param_table table(ps, g.stream());
     auto dw = test::to_device(w0, g.stream());

@@ -6,7 +6,7 @@
 #include <string>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/device/collectives.hpp>
+#include <lockstep/device/space.hpp>
 #include <lockstep/transport/nccl.hpp>
 
 #include "common.hpp"
@@ -17,7 +17,7 @@ namespace {
 
 struct one_rank {
   device::stream s;
-  device::group<transport::nccl> g;
+  group<transport::nccl> g;
   one_rank() : g(transport::nccl(transport::nccl::communicator::init_all({current()})[0], s.get())) {}
   static int current() {
     int d = 0;
@@ -27,7 +27,7 @@ struct one_rank {
 };
 
 template <class Codec>
-void compare(device::group<transport::nccl>& g, Codec proto, std::size_t n, reduce_op op) {
+void compare(group<transport::nccl>& g, Codec proto, std::size_t n, reduce_op op) {
   CAPTURE(std::string(proto.name()), n);
   const auto in = test::inputs(n, 5, false);
   std::vector<float> host;
@@ -38,7 +38,7 @@ void compare(device::group<transport::nccl>& g, Codec proto, std::size_t n, redu
   });
   Codec c = proto;
   auto d = test::to_device(in, g.stream());
-  device::all_reduce(g, std::span<float>(d.data(), n), topology::ring{}, c, op);
+  all_reduce(g, std::span<float>(d.data(), n), topology::ring{}, c, op);
   CHECK(test::same_bits(test::to_host(d.data(), n, g.stream()), host));
 }
 
@@ -79,7 +79,7 @@ TEST_CASE("nccl: an asynchronous all_reduce returns before the work is done", "[
   auto d = test::to_device(test::inputs(n, 9, false), r.g.stream());
   codec::dyntree8 c;
   test::kernels::spin<<<1, 1, 0, r.g.stream()>>>(200'000'000ull);
-  auto q = device::all_reduce_async(r.g, std::span<float>(d.data(), n), topology::ring{}, c);
+  auto q = all_reduce_async(r.g, std::span<float>(d.data(), n), topology::ring{}, c);
   CHECK_FALSE(q.ready());
   q.wait();
   CHECK(q.ready());

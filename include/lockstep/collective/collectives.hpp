@@ -38,11 +38,16 @@ std::uint32_t topology_fingerprint(const T& topo, int size) {
   return codec::fingerprint(s, 0);
 }
 
+template <class T, class C>
+std::string label(op_kind kind, const T& topo, const C& codec) {
+  return std::string(to_string(kind)) + "(" + topo.name() + ", " + std::string(codec.name()) + ")";
+}
+
 template <class G, topology::topology T, codec::codec C>
 op_desc describe(op_kind kind, const G& g, const T& topo, const C& codec, reduce_op rop, int root = -1) {
-  topo.validate(g.size());
-  return op_desc{kind, rop, root, topology_fingerprint(topo, g.size()),
-                 std::string(to_string(kind)) + "(" + topo.name() + ", " + std::string(codec.name()) + ")"};
+  if constexpr (requires { topo.validate(g.size(), g.rank()); }) topo.validate(g.size(), g.rank());  // names this rank
+  else topo.validate(g.size());
+  return op_desc{kind, rop, root, topology_fingerprint(topo, g.size()), label(kind, topo, codec)};
 }
 
 template <class G>
@@ -66,11 +71,6 @@ auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, red
                                                                  : topology::all_reduce_schedule(topo, g.rank(), g.size());
     run_schedule(g, s, buf, codec, d, ep);
   };
-}
-
-template <class T, class C>
-std::string label(op_kind kind, const T& topo, const C& codec) {
-  return std::string(to_string(kind)) + "(" + topo.name() + ", " + std::string(codec.name()) + ")";
 }
 
 // Blocking: inline on a host group; enqueued and waited for on an ordered one.

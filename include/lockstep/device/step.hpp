@@ -28,12 +28,14 @@
 
 #include "../optim/completion.hpp"
 #include "../optim/concept.hpp"
-#include "collectives.hpp"
+#include "../collective/collectives.hpp"
 #include "optim.hpp"
+#include "space.hpp"
 
 namespace lockstep::device {
 
-template <stream_transport Tr, topology::topology T, codec::codec C, optim::optimizer O>
+template <transport::transport Tr, topology::topology T, codec::codec C, optim::optimizer O>
+  requires std::same_as<transport::space_of<Tr>, cuda_space>
 request step_async(group<Tr>& g, const T& topo, C& codec, const O& opt, param_table& table, float lr,
                    std::span<float> weights, std::span<float> grads, float* momentum,
                    std::uint16_t* weights_bf16 = nullptr) {
@@ -52,7 +54,7 @@ request step_async(group<Tr>& g, const T& topo, C& codec, const O& opt, param_ta
   if (!optim::needs_any_sums(opt, ps)) {
     // Coefficients depend on lr and the optimizer only: once, ahead of the all-reduce.
     detail::enqueue_coefficients(opt, table, ctx, false, 0, nt, 0, nb, w, gr, g.stream());
-    auto ep = [&](std::size_t first, std::size_t count, cudaStream_t s) {
+    auto ep = [&, s = g.stream()](std::size_t first, std::size_t count) {
       // The blocks that hold [first, first + count): those of the tensors it touches.
       const auto [a, b] = ps.tensors_in(first, first + count);
       if (a < b) detail::enqueue_update(opt, table, ps.first_block(a), ps.first_block(b - 1) + ps.block_count(b - 1), first,
@@ -62,7 +64,7 @@ request step_async(group<Tr>& g, const T& topo, C& codec, const O& opt, param_ta
   }
 
   optim::completion done(ps, "device::step");
-  auto ep = [&](std::size_t first, std::size_t count, cudaStream_t s) {
+  auto ep = [&, s = g.stream()](std::size_t first, std::size_t count) {
     const auto [a, b] = done.report(first, first + count, g.rank());
     if (a == b) return;
     const std::size_t b0 = ps.first_block(a), b1 = ps.first_block(b - 1) + ps.block_count(b - 1);
@@ -75,7 +77,8 @@ request step_async(group<Tr>& g, const T& topo, C& codec, const O& opt, param_ta
   return r;
 }
 
-template <stream_transport Tr, topology::topology T, codec::codec C, optim::optimizer O>
+template <transport::transport Tr, topology::topology T, codec::codec C, optim::optimizer O>
+  requires std::same_as<transport::space_of<Tr>, cuda_space>
 void step(group<Tr>& g, const T& topo, C& codec, const O& opt, param_table& table, float lr, std::span<float> weights,
           std::span<float> grads, float* momentum, std::uint16_t* weights_bf16 = nullptr) {
   step_async(g, topo, codec, opt, table, lr, weights, grads, momentum, weights_bf16).wait();

@@ -1,18 +1,21 @@
 // lockstep/transport/nccl.hpp: NCCL as a stream-ordered point-to-point transport.
 //
 // NCCL's own all-reduce cannot compress, so lockstep uses only ncclSend and ncclRecv, posted in
-// groups on the endpoint's stream, and runs its own topologies and codecs over them
-// (device/collectives.hpp). Every call enqueues and returns; wait() has nothing left to do,
-// because the stream already orders later work after the group. NCCL matches a pair's messages in
-// posting order, so tags are not needed on the wire (the executor still passes them).
+// groups on the endpoint's stream, and runs its own topologies and codecs over them (the one
+// executor, collective/executor.hpp, in the CUDA stream space). Every call enqueues and returns;
+// wait() has nothing left to do, because the stream already orders later work after the group,
+// and consume() hands the executor the receive's own buffer, whose reads it enqueues behind it.
+// NCCL matches a pair's messages in posting order, so tags are not needed on the wire (the
+// executor still passes them). A chunk is one message (segment_bytes = whole_chunk).
 //
 // What NCCL does not give: a timeout on a peer that never posts (the stream just does not move;
-// device::request::wait enforces the group's timeout and then aborts the communicator), and message
-// sizes checked between ranks (a mismatch is NCCL's undefined behaviour, not errc::mismatch).
+// the request's wait enforces the group's timeout and then aborts the communicator), collective
+// headers (reading one on the host would need a host synchronisation per call), and message sizes
+// checked between ranks (a mismatch is NCCL's undefined behaviour, not errc::mismatch).
 //
 //   auto comms = transport::nccl::communicator::init_all({0});          // one rank per listed GPU
 //   device::stream s;
-//   device::group<transport::nccl> g(transport::nccl(comms[0], s.get()));
+//   lockstep::group<transport::nccl> g(transport::nccl(comms[0], s.get()));
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,7 +27,8 @@
 
 #include "../core/error.hpp"
 #include "../device/runtime.hpp"
-#include "../device/transport.hpp"
+#include "../collective/pipeline.hpp"
+#include "../device/space.hpp"
 #include "concept.hpp"
 
 namespace lockstep::transport {
@@ -85,8 +89,13 @@ class nccl {
     std::shared_ptr<state> s_;
   };
 
-  // Nothing travels with a request: the stream holds the order.
-  struct request {};
+  using space_type = device::cuda_space;
+  static constexpr std::size_t segment_bytes = pipeline::whole_chunk;
+
+  // Nothing travels with a request but where a receive lands: the stream holds the order.
+  struct request {
+    void* dst = nullptr;
+  };
 
   nccl() = default;
   nccl(communicator comm, cudaStream_t stream) : comm_(std::move(comm)), stream_(stream) {
@@ -106,14 +115,20 @@ class nccl {
   request isend(int peer, std::uint32_t, const void* data, std::size_t bytes) {
     check_peer(peer, "send");
     check(ncclSend(data, bytes, ncclUint8, peer, comm_.get(), stream_), "ncclSend", rank_, peer, comm_.get());
-    return {};
+    return {nullptr};
   }
   request irecv(int peer, std::uint32_t, void* data, std::size_t bytes) {
     check_peer(peer, "recv");
     check(ncclRecv(data, bytes, ncclUint8, peer, comm_.get(), stream_), "ncclRecv", rank_, peer, comm_.get());
-    return {};
+    return {data};
   }
   bool wait(request&, clock::time_point) { return true; }
+  // The bytes land in the receive's buffer; fn's kernels run behind the group that fills it.
+  template <class F>
+  bool consume(request& r, clock::time_point, F&& fn) {
+    fn(static_cast<const std::byte*>(r.dst));
+    return true;
+  }
 
   // Unblocks everything pending on the communicator; it cannot be used afterwards.
   void abort(const std::string&) { comm_.abort(); }
@@ -130,6 +145,6 @@ class nccl {
   int rank_ = 0, size_ = 0;
 };
 
-static_assert(device::stream_transport<nccl>);
+static_assert(transport<nccl>);
 
 }  // namespace lockstep::transport

@@ -1,0 +1,82 @@
+// lockstep/device/space.hpp: the CUDA stream as an execution space (core/space.hpp): the executor's
+// element work becomes kernels enqueued on one stream, and a call's completion is an event.
+//
+//   lockstep::group<transport::nccl> g(transport::nccl(comm, stream));   // space: cuda_space(stream)
+//   auto r = lockstep::all_reduce_async(g, grads, topology::ring{}, codec);  // enqueues, returns
+//
+// The kernels are device/codec.hpp's (the host codecs' element math, bit for bit) and one division
+// kernel below; memory is cudaMallocAsync'd and freed in stream order. Nothing here waits for the
+// GPU except drain(), which a failing call uses so that queued work is done before its error
+// reaches code that frees the buffers that work uses.
+#pragma once
+
+#include "config.hpp"
+
+#include <chrono>
+#include <cstddef>
+
+#include "../core/space.hpp"
+#include "codec.hpp"
+#include "runtime.hpp"
+
+namespace lockstep::device {
+
+namespace kernels {
+// x /= divisor, rounded as the host's `x[i] /= float(size)`.
+static __global__ void divide(float* __restrict__ x, std::size_t n, float divisor) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
+    x[i] = __fdiv_rn(x[i], divisor);
+}
+}  // namespace kernels
+
+class cuda_space {
+ public:
+  static constexpr bool ordered = true;
+  using memory = buffer<std::byte>;
+  using event = device::event;
+  using handle_type = cudaStream_t;
+
+  explicit cuda_space(cudaStream_t s) : s_(s) {}
+  cudaStream_t handle() const noexcept { return s_; }
+  static constexpr const char* name() noexcept { return "device"; }
+
+  template <codec::codec C>
+  void encode(C& c, const float* x, std::size_t n, std::byte* wire, float* residual) const {
+    device::encode(c, x, n, wire, s_, residual);
+  }
+  template <codec::codec C>
+  void decode(const C& c, const std::byte* wire, std::size_t n, float* out) const {
+    device::decode(c, wire, n, out, s_);
+  }
+  template <codec::codec C>
+  void decode_add(const C& c, const std::byte* wire, std::size_t n, float* acc) const {
+    device::decode_add(c, wire, n, acc, s_);
+  }
+  void copy(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s_), "cuda_space copy");
+  }
+  void zero(void* dst, std::size_t bytes) const {
+    if (bytes) check(cudaMemsetAsync(dst, 0, bytes, s_), "cuda_space zero");
+  }
+  void divide(float* x, std::size_t n, float by) const {
+    if (!n) return;
+    kernels::divide<<<grid_for((n + 255) / 256, elementwise_policy::blocks_per_sm), elementwise_policy::block_threads, 0, s_>>>(
+        x, n, by);
+    check_launch("average");
+  }
+  memory allocate(std::size_t bytes) const { return memory(bytes, s_); }
+
+  void record(event& e) const { e.record(s_); }
+  void wait(const event& e) const { check(cudaStreamWaitEvent(s_, e.get(), 0), "cudaStreamWaitEvent"); }
+  static bool ready(const event& e) { return e.ready(); }
+  // cudaStreamSynchronize has no deadline; a stream stalled on a peer is unblocked by the
+  // transport's abort (ncclCommAbort), which the executor calls before it rethrows.
+  void drain(std::chrono::steady_clock::time_point) const noexcept { (void)cudaStreamSynchronize(s_); }
+
+ private:
+  cudaStream_t s_;
+};
+
+static_assert(space::ordered_space<cuda_space>);
+
+}  // namespace lockstep::device
