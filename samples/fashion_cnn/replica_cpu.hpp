@@ -59,16 +59,16 @@ class cpu_replica {
   std::vector<float> params() const { return m_.params; }
   std::vector<float> momentum() const { return {st_.momentum().begin(), st_.momentum().end()}; }
 
-  // Per bucket, phases 0 and 1 (the keys the collective uses: the bucket's address and length).
+  // Per bucket, the codec's own checkpoint share of its error-feedback residuals.
   std::vector<float> residuals() {
     std::vector<float> mine;
     if constexpr (has_residuals) {
-      mine.reserve(2 * m_.params.size());
-      for (auto [first, last] : m_.L.buckets)
-        for (int phase = 0; phase < 2; ++phase) {
-          const float* r = codec_.residual(m_.grads.data() + first, last - first, phase);
-          mine.insert(mine.end(), r, r + (last - first));
-        }
+      mine.resize(Codec::state_floats(m_.params.size()));
+      float* out = mine.data();
+      for (auto [first, last] : m_.L.buckets) {
+        codec_.save(std::span<const float>(m_.grads.data() + first, last - first), out, world_.space());
+        out += Codec::state_floats(last - first);
+      }
     }
     return mine;
   }
@@ -80,9 +80,10 @@ class cpu_replica {
     std::copy(c.momentum.begin(), c.momentum.end(), st_.momentum().begin());
     if constexpr (has_residuals) {
       const float* r = checkpoint_residuals(c, m_.params.size(), rank, R, path);
-      for (auto [first, last] : m_.L.buckets)
-        for (int phase = 0; phase < 2; ++phase, r += last - first)
-          std::copy(r, r + (last - first), codec_.residual(m_.grads.data() + first, last - first, phase));
+      for (auto [first, last] : m_.L.buckets) {
+        codec_.load(std::span<const float>(m_.grads.data() + first, last - first), r, world_.space());
+        r += Codec::state_floats(last - first);
+      }
     }
   }
 

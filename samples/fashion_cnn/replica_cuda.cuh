@@ -84,16 +84,16 @@ class gpu_replica {
   std::vector<float> params() { return download(m_.params.data(), m_.L.total); }
   std::vector<float> momentum() { return download(v_.data(), v_.size()); }
 
-  // Per bucket, phases 0 and 1: the residuals the device group keeps for this codec and bucket.
+  // Per bucket, the codec's own checkpoint share of its error-feedback residuals (device memory).
   std::vector<float> residuals() {
     std::vector<float> mine;
     if constexpr (has_residuals) {
-      mine.resize(2 * m_.L.total);
+      mine.resize(Codec::state_floats(m_.L.total));
       float* out = mine.data();
-      for (auto [first, last] : m_.L.buckets)
-        for (int phase = 0; phase < 2; ++phase, out += last - first)
-          LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(out, residual_of(first, last, phase), (last - first) * sizeof(float),
-                                                cudaMemcpyDeviceToHost, dg_.stream()));
+      for (auto [first, last] : m_.L.buckets) {
+        codec_.save(std::span<const float>(m_.grads.data() + first, last - first), out, dg_.space());
+        out += Codec::state_floats(last - first);
+      }
       LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg_.stream()));
     }
     return mine;
@@ -109,21 +109,16 @@ class gpu_replica {
           cudaMemcpyAsync(v_.data(), c.momentum.data(), v_.size() * sizeof(float), cudaMemcpyHostToDevice, comm));
     if constexpr (has_residuals) {
       const float* r = checkpoint_residuals(c, m_.L.total, rank, R, path);
-      for (auto [first, last] : m_.L.buckets)
-        for (int phase = 0; phase < 2; ++phase, r += last - first)
-          LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(residual_of(first, last, phase), r, (last - first) * sizeof(float),
-                                                cudaMemcpyHostToDevice, comm));
+      for (auto [first, last] : m_.L.buckets) {
+        codec_.load(std::span<const float>(m_.grads.data() + first, last - first), r, dg_.space());
+        r += Codec::state_floats(last - first);
+      }
     }
     LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(comm));
   }
 
  private:
   void after_update(cudaStream_t s) { LOCKSTEP_SAMPLE_CHECK(cudaStreamWaitEvent(s, updated_.get(), 0)); }
-
-  // The key the device executor uses: (codec, the bucket's address, its length, phase).
-  float* residual_of(std::size_t first, std::size_t last, int phase) {
-    return dg_.residual(codec_, m_.grads.data() + first, last - first, phase);
-  }
 
   std::vector<float> download(const float* d, std::size_t n) {
     std::vector<float> h(n);

@@ -12,13 +12,21 @@
 // silently off) while the table grew without end; past max_buffers keys (default 16384; an
 // all_reduce takes two per buffer, one per phase) that is what is happening, and residual()
 // throws instead. forget(buffer) drops a buffer about to be freed, reset() drops all.
+//
+// The residuals live in the memory of the space the calls run in (device memory for a GPU group:
+// the executor passes its group's space), and belong to this object, as momentum belongs to an
+// optim::state. save(buffer, out, space) and load(buffer, in, space) move one buffer's residuals to
+// and from a checkpoint without the caller knowing how they are kept.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <algorithm>
 #include <map>
+#include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -26,6 +34,7 @@
 #include <vector>
 
 #include "../core/error.hpp"
+#include "../core/space.hpp"
 #include "concept.hpp"
 
 namespace lockstep::codec {
@@ -50,8 +59,7 @@ struct feedback_name {
 };
 }  // namespace detail
 
-// How many (buffer, count, phase) keys an error_feedback keeps residuals for by default; the device
-// group applies the same object's bound to the residuals it keeps for it.
+// How many (buffer, count, phase) keys an error_feedback keeps residuals for by default.
 inline constexpr std::size_t error_feedback_max_buffers = 16384;
 
 template <codec C>
@@ -79,8 +87,9 @@ class error_feedback {
   void decode_add(const std::byte* in, std::size_t n, float* acc) const { inner_.decode_add(in, n, acc); }
   const C& inner() const noexcept { return inner_; }
 
-  // The residual of a buffer of n elements in a phase, zero on first use.
-  float* residual(const void* key, std::size_t n, int phase) {
+  // The residual of a buffer of n elements in a phase, zero on first use, in `space`'s memory.
+  template <class Space>
+  float* residual(const void* key, std::size_t n, int phase, Space& space) {
     const auto k = std::make_tuple(key, n, phase);
     auto it = residuals_.find(k);
     if (it == residuals_.end()) {
@@ -90,10 +99,37 @@ class error_feedback {
                         " (buffer, count, phase) keys already (an all_reduce takes two per buffer): residuals "
                         "are kept per buffer address, so reduce the same gradient buffers every step (or "
                         "forget() a buffer before freeing it), or allow more in the constructor");
-      it = residuals_.emplace(k, std::vector<float>(n, 0.0f)).first;
+      auto mem = std::make_shared<typename Space::memory>(space.allocate(n * sizeof(float)));
+      auto* p = reinterpret_cast<float*>(mem->data());
+      if constexpr (requires { space.zero(p, n * sizeof(float)); }) space.zero(p, n * sizeof(float));
+      else std::fill_n(p, n, 0.0f);  // host memory, fresh: nothing queued can touch it yet
+      it = residuals_.emplace(k, slot{std::move(mem), p}).first;
     }
-    return it->second.data();
+    return it->second.data;
   }
+  float* residual(const void* key, std::size_t n, int phase) {
+    space::host h;
+    return residual(key, n, phase, h);
+  }
+
+  // A checkpoint's share: the residuals an all_reduce of `buffer` keeps — phase 0 (its
+  // reduce-scatter partial sums), then phase 1 (the final values its owner sends) — as
+  // state_floats(buffer.size()) floats at host memory `out`, copied through `space` (the group's:
+  // on a stream the copies are queued, and done once the caller synchronises it). load() is the
+  // reverse, creating the residuals if this object has none yet (a resumed run before its first
+  // step).
+  static constexpr std::size_t state_floats(std::size_t n) noexcept { return 2 * n; }
+  template <class Space>
+  void save(std::span<const float> buffer, float* out, Space& space) {
+    for (int phase = 0; phase < 2; ++phase, out += buffer.size())
+      space.copy(out, residual(buffer.data(), buffer.size(), phase, space), buffer.size() * sizeof(float));
+  }
+  template <class Space>
+  void load(std::span<const float> buffer, const float* in, Space& space) {
+    for (int phase = 0; phase < 2; ++phase, in += buffer.size())
+      space.copy(residual(buffer.data(), buffer.size(), phase, space), in, buffer.size() * sizeof(float));
+  }
+
   // Drops the residuals of every call on `key` (a buffer about to be freed or moved).
   void forget(const void* key) {
     for (auto it = residuals_.begin(); it != residuals_.end();)
@@ -117,7 +153,11 @@ class error_feedback {
  private:
   C inner_{};
   std::size_t max_buffers_ = error_feedback_max_buffers;
-  std::map<std::tuple<const void*, std::size_t, int>, std::vector<float>> residuals_;
+  struct slot {
+    std::shared_ptr<void> memory;  // the space's memory object, freed as that space frees
+    float* data;
+  };
+  std::map<std::tuple<const void*, std::size_t, int>, slot> residuals_;
 };
 
 }  // namespace lockstep::codec

@@ -385,8 +385,7 @@ class schedule_run {
   void encode(const segment& sg, int ef_phase) {
     float* r = nullptr;
     if constexpr (codec::feedback_codec<C>) {
-      if constexpr (space_type::ordered) r = g_.residual(codec_, x_, n_, ef_phase) + sg.lo;
-      else r = codec_.residual(x_, n_, ef_phase) + sg.lo;
+      r = codec_.residual(x_, n_, ef_phase, sp_) + sg.lo;
     }
     sp_.encode(codec_, x_ + sg.lo, sg.len, sg.wire, r);
   }

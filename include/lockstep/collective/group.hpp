@@ -23,15 +23,12 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
-#include "../codec/error_feedback.hpp"
 #include "../core/error.hpp"
 #include "../transport/concept.hpp"
 #include "request.hpp"
@@ -168,35 +165,7 @@ class group {
   std::size_t depth() const noexcept { return s_->depth; }
   std::uint64_t next_sequence() noexcept { return s_->seq++; }
 
-  // Error-feedback residual of (codec object, buffer, count, phase) in the group's space, zero on
-  // first use; bounded by the codec's max_buffers() as error_feedback's own residuals are.
-  template <class Codec>
-  float* residual(const Codec& ef, const void* buf, std::size_t n, int phase) {
-    const auto key = std::make_tuple(static_cast<const void*>(&ef), buf, n, phase);
-    auto it = s_->residuals.find(key);
-    if (it == s_->residuals.end()) {
-      std::size_t bound = codec::error_feedback_max_buffers;
-      if constexpr (requires { ef.max_buffers(); }) bound = ef.max_buffers();
-      if (s_->residuals.size() >= bound)
-        throw error(errc::invalid_argument, "error_feedback", rank(), -1,
-                    "residuals kept for " + std::to_string(s_->residuals.size()) +
-                        " (codec, buffer, count, phase) keys already (an all_reduce takes two per buffer): they "
-                        "are kept per buffer address, so reduce the same gradient buffers every step, or allow "
-                        "more in the codec's constructor");
-      auto mem = s_->space.allocate(n * sizeof(float));
-      zero(mem.data(), n * sizeof(float));
-      it = s_->residuals.emplace(key, std::move(mem)).first;
-    }
-    return reinterpret_cast<float*>(it->second.data());
-  }
-
  private:
-  void zero(std::byte* p, std::size_t bytes) {
-    if (!bytes) return;
-    if constexpr (requires { s_->space.zero(p, bytes); }) s_->space.zero(p, bytes);
-    else std::fill_n(p, bytes, std::byte{0});
-  }
-
   struct task {
     std::function<void()> fn;
     std::shared_ptr<detail::request_state> st;
@@ -252,7 +221,6 @@ class group {
     std::size_t depth = 0;
     std::deque<memory> scratch;  // (nesting depth)
     std::uint64_t seq = 0;
-    std::map<std::tuple<const void*, const void*, std::size_t, int>, memory> residuals;
   };
 
   std::shared_ptr<state> s_;

@@ -79,6 +79,38 @@ class host_stream {
   std::chrono::milliseconds wait_limit() const noexcept { return limit_; }
 
  private:
+  struct state;
+
+ public:
+  // Runs `fn` behind the work queued so far while the stream exists, else at once: memory freed in
+  // stream order (space::deferred) may outlive its stream this way.
+  class weak_ref {
+   public:
+    weak_ref() = default;
+    void enqueue_or_run(std::function<void()> fn) const {
+      if (auto s = s_.lock()) {
+        std::lock_guard lk(s->m);
+        if (!s->stop) {
+          s->q.push_back({std::move(fn), true});
+          ++s->enqueued;
+          s->cv.notify_all();
+          return;
+        }
+      }
+      fn();
+    }
+
+   private:
+    friend class host_stream;
+    std::weak_ptr<state> s_;
+  };
+  weak_ref weak() const {
+    weak_ref w;
+    w.s_ = s_;
+    return w;
+  }
+
+ private:
   friend class host_event;
   struct state {
     std::mutex m;

@@ -73,7 +73,8 @@ class host_memory {
   host_memory() = default;
   explicit host_memory(std::size_t bytes)
       : p_(bytes ? static_cast<std::byte*>(::operator new(bytes, std::align_val_t{64})) : nullptr), n_(bytes) {}
-  host_memory(host_memory&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)), stream_(o.stream_) {}
+  host_memory(host_memory&& o) noexcept
+      : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)), stream_(std::move(o.stream_)) {}
   host_memory& operator=(host_memory&& o) noexcept {
     std::swap(p_, o.p_);
     std::swap(n_, o.n_);
@@ -82,17 +83,16 @@ class host_memory {
   }
   ~host_memory() {
     if (!p_) return;
-    if (stream_) stream_->enqueue([p = p_] { ::operator delete(p, std::align_val_t{64}); }, true);
-    else ::operator delete(p_, std::align_val_t{64});
+    stream_.enqueue_or_run([p = p_] { ::operator delete(p, std::align_val_t{64}); });
   }
   std::byte* data() const noexcept { return p_; }
   std::size_t size() const noexcept { return n_; }
-  void free_on(host_stream* s) noexcept { stream_ = s; }
+  void free_on(const host_stream& s) { stream_ = s.weak(); }
 
  private:
   std::byte* p_ = nullptr;
   std::size_t n_ = 0;
-  host_stream* stream_ = nullptr;  // freed behind the work queued on it
+  host_stream::weak_ref stream_;  // freed behind the work queued on it (none: at once)
 };
 
 template <class C>
@@ -165,7 +165,7 @@ class deferred {
   }
   memory allocate(std::size_t bytes) const {
     memory m(bytes);
-    m.free_on(s_);
+    m.free_on(*s_);
     return m;
   }
 
