@@ -107,10 +107,12 @@ class bucketed_step {
   // into this object or the buffers: wait for what was started, drop its errors.
   ~bucketed_step() {
     if (finished_) return;
-    for (std::size_t k = 0; k < pending_.size(); ++k) try {
-        pending_[k].wait();
-      } catch (...) {
+    for (request& r : pending_) {
+      try {
+        r.wait();
+      } catch (...) {  // the step is being abandoned; its caller is already handling an error
       }
+    }
   }
 
   std::size_t bucket_count() const noexcept { return buckets_.size(); }
@@ -144,7 +146,7 @@ class bucketed_step {
       } catch (const error& e) {
         if (!failure)
           failure = std::make_exception_ptr(
-              error(e.code(), "optim::step", rank_, e.peer(), detail::show(k, buckets_[k]) + ": " + e.what()));
+              error(e.code(), "optim::step", rank_, e.peer(), detail::show(k, buckets_[k]) + ", " + e.op() + ": " + e.detail()));
       } catch (...) {
         if (!failure) failure = std::current_exception();
       }
