@@ -326,13 +326,17 @@ int main(int argc, char** argv) {
       sync.arrive_and_wait();
       if (grp.rank() == 0 && record) out.push_back(seconds_since(t0));
     };
+    const optim::plan<optim::sgd> pa{.opt = sgd, .params = ps, .st = a, .weights = wr, .grads = gr, .pool = pool};
+    const optim::plan<optim::lars> pb{.opt = lars, .params = ps, .st = b, .weights = wr, .grads = gr, .pool = pool};
+    const optim::plan<optim::sgd> pc{.opt = sgd, .params = ps, .st = c, .weights = wr, .grads = gr, .pool = pool};
+    const optim::plan<optim::lars> pd{.opt = lars, .params = ps, .st = d, .weights = wr, .grads = gr, .pool = pool};
     for (int r = -1; r < opt.rounds; ++r) {
       const bool rec = r >= 0;
-      timed([&] { optim::step(grp, ring, codec, sgd, ps, wr, gr, a, 0.01f, {}, pool); }, s_sgd, rec);
-      timed([&] { optim::step(grp, ring, codec, lars, ps, wr, gr, b, 0.01f, {}, pool); }, s_lars, rec);
+      timed([&] { optim::step(grp, ring, codec, pa, 0.01f); }, s_sgd, rec);
+      timed([&] { optim::step(grp, ring, codec, pb, 0.01f); }, s_lars, rec);
       if (R > 1) {
-        timed([&] { optim::step_sharded(grp, ring, codec, sgd, ps, wr, gr, c, 0.01f, {}, pool); }, h_sgd, rec);
-        timed([&] { optim::step_sharded(grp, ring, codec, lars, ps, wr, gr, d, 0.01f, {}, pool); }, h_lars, rec);
+        timed([&] { optim::step_sharded(grp, ring, codec, pc, 0.01f); }, h_sgd, rec);
+        timed([&] { optim::step_sharded(grp, ring, codec, pd, 0.01f); }, h_lars, rec);
       }
     }
   });

@@ -3,12 +3,22 @@
 //     optim::update — bitwise where 1/ranks is a power of two, to fp32 rounding otherwise;
 //   - every rank ends with the same bits;
 //   - the sharded step equals the unsharded one (SGD bitwise, LARS to fp32 rounding), for ring and
-//     torus, with tensors cut by chunk boundaries, and writes the same bf16 copy.
+//     torus, with tensors cut by chunk boundaries, and writes the same bf16 copy;
+//   - the bucketed step (begin_step / bucket_ready / wait) equals a blocking all_reduce per bucket
+//     followed by optim::update bit for bit (SGD and LARS; fp32, bf16, dyntree8; both averagings;
+//     1..5 ranks; one bucket, one per tensor, uneven; bucket_ready in any order), and equals the
+//     unbucketed step bit for bit where the reduced values cannot depend on the bucketing;
+//   - bucket lists that cut a tensor, overlap, leave a gap are refused; misuse of bucket_ready and
+//     wait is an error; a bucket whose collective fails makes wait() throw, naming the bucket.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
 #include <variant>
 #include <vector>
 
@@ -57,11 +67,13 @@ outcome run(int n, const Topo& topo, const O& opt, mode m) {
         for (std::size_t i = 0; i < w.size(); ++i) w[i] = weight0(i);
         optim::state st(ps, opt);
         Codec codec{};
+        const optim::plan<O> plan{.opt = opt, .params = ps, .st = st, .weights = w, .grads = gr,
+                                  .weights_bf16 = bf, .pool = pool};
         for (int s = 0; s < steps; ++s) {
           for (std::size_t i = 0; i < gr.size(); ++i) gr[i] = grad(g.rank(), s, i);
           switch (m) {
-            case mode::fused: optim::step(g, topo, codec, opt, ps, w, gr, st, lrs[s], bf, pool); break;
-            case mode::sharded: optim::step_sharded(g, topo, codec, opt, ps, w, gr, st, lrs[s], bf, pool); break;
+            case mode::fused: optim::step(g, topo, codec, plan, lrs[s]); break;
+            case mode::sharded: optim::step_sharded(g, topo, codec, plan, lrs[s]); break;
             case mode::unfused:
               lockstep::all_reduce(g, std::span<float>(gr), topo, codec, lockstep::reduce_op::average);
               optim::update(opt, ps, std::span<float>(w), std::span<const float>(gr), st, {.lr = lrs[s]}, bf, pool);
@@ -195,4 +207,345 @@ TEST_CASE("sharded step with a lossy gradient codec keeps fp32 weights equal on 
     for (std::size_t i = 0; i < s.w[0].size(); ++i) any_differs = any_differs || s.w[0][i] != f.w[0][i];
     CHECK(any_differs);  // the codec did act
   }
+}
+
+// ---- the bucketed step (begin_step, bucket_ready, wait) ----------------------------------------
+
+namespace {
+
+const optim::param_set& bucket_params() {
+  static const auto ps = optim::param_set::packed(sizes, exempt, 16, {.block = 128, .task = 300, .wave = 1500});
+  return ps;
+}
+
+// Buckets starting at the given tensors (ascending, the first 0), padding with the tensor before
+// it; the last ends at the buffer's end. Listed last bucket first, as backward writes them.
+std::vector<optim::bucket> buckets_at(const optim::param_set& ps, std::vector<std::size_t> starts) {
+  std::vector<optim::bucket> b;
+  for (std::size_t i = 0; i < starts.size(); ++i)
+    b.push_back({i == 0 ? 0 : ps[starts[i]].offset, i + 1 < starts.size() ? ps[starts[i + 1]].offset : ps.size()});
+  std::reverse(b.begin(), b.end());
+  return b;
+}
+
+struct bucket_case {
+  const char* name;
+  std::vector<optim::bucket> buckets;
+};
+
+std::vector<bucket_case> bucket_lists() {
+  const auto& ps = bucket_params();
+  std::vector<std::size_t> each(ps.tensor_count());
+  std::iota(each.begin(), each.end(), std::size_t{0});
+  return {{"one bucket", buckets_at(ps, {0})},
+          {"one per tensor", buckets_at(ps, each)},
+          {"uneven", buckets_at(ps, {0, 3, 4})}};
+}
+
+// bucket_ready orders: the list's, reversed, and a fixed shuffle (the same on every rank).
+std::vector<std::vector<std::size_t>> ready_orders(std::size_t nb) {
+  std::vector<std::size_t> in(nb);
+  std::iota(in.begin(), in.end(), std::size_t{0});
+  std::vector<std::size_t> rev(in.rbegin(), in.rend()), mixed = in;
+  std::shuffle(mixed.begin(), mixed.end(), std::mt19937(7));
+  return {in, rev, mixed};
+}
+
+// Small multiples of 2^-10: any sum over up to 5 ranks is exact in fp32, in any order, so every
+// bucketing reduces to the same bits and bucketed and unbucketed steps can be compared exactly.
+float grad_exact(int rank, int s, std::size_t i) {
+  return static_cast<float>(static_cast<int>((7 * i + 13 * static_cast<std::size_t>(rank) + 5 * static_cast<std::size_t>(s)) % 41) - 20) /
+         1024.0f;
+}
+
+enum class how { bucketed, reference };
+
+struct bucket_outcome {
+  std::vector<std::vector<float>> w, v, g;      // (rank, element)
+  std::vector<std::vector<std::uint16_t>> bf;   // (rank, element)
+};
+
+// Three steps on n ranks. bucketed: begin_step, bucket_ready in `order`, wait. reference: the
+// same all-reduces, blocking, bucket by bucket in `order`, then optim::update over everything.
+template <class Codec, class O>
+bucket_outcome run_buckets(int n, const O& opt, optim::averaging avg, std::span<const optim::bucket> buckets,
+                           std::span<const std::size_t> order, how h, bool exact_grads) {
+  const auto& ps = bucket_params();
+  bucket_outcome out;
+  out.w.resize(n), out.v.resize(n), out.g.resize(n), out.bf.resize(n);
+  std::mutex mu;
+  lockstep::thread_pool pool(2);
+  const lockstep::topology::ring topo;
+  lockstep::run_inproc(
+      n,
+      [&](group<inproc>& g) {
+        std::vector<float> w(ps.size()), gr(ps.size());
+        std::vector<std::uint16_t> bf(ps.size(), 0);
+        for (std::size_t i = 0; i < w.size(); ++i) w[i] = weight0(i);
+        optim::state st(ps, opt);
+        Codec codec{};
+        const optim::plan<O> plan{.opt = opt, .params = ps, .st = st, .weights = w, .grads = gr,
+                                  .weights_bf16 = bf, .pool = pool, .average = avg};
+        for (int s = 0; s < steps; ++s) {
+          for (std::size_t i = 0; i < gr.size(); ++i) gr[i] = exact_grads ? grad_exact(g.rank(), s, i) : grad(g.rank(), s, i);
+          if (h == how::bucketed) {
+            auto st_ = optim::begin_step(g, topo, codec, plan, buckets, lrs[s]);
+            for (std::size_t k : order) st_.bucket_ready(k);
+            st_.wait();
+          } else {
+            const auto op = avg == optim::averaging::in_collective ? lockstep::reduce_op::average : lockstep::reduce_op::sum;
+            for (std::size_t k : order)
+              lockstep::all_reduce(g, std::span<float>(gr).subspan(buckets[k].first, buckets[k].last - buckets[k].first),
+                                   topo, codec, op);
+            optim::update(opt, ps, std::span<float>(w), std::span<const float>(gr), st,
+                          {.lr = lrs[s], .grad_scale = plan.grad_scale(g.size())}, bf, pool);
+          }
+        }
+        REQUIRE(st.steps() == static_cast<std::uint64_t>(steps));
+        std::lock_guard lk(mu);
+        out.w[g.rank()] = w;
+        out.v[g.rank()].assign(st.momentum().begin(), st.momentum().end());
+        out.g[g.rank()] = gr;
+        out.bf[g.rank()] = bf;
+      },
+      {.timeout = std::chrono::seconds(60), .segment_bytes = 1024});
+  return out;
+}
+
+void require_same(const bucket_outcome& a, const bucket_outcome& b) {
+  for (std::size_t r = 0; r < a.w.size(); ++r) {
+    INFO("rank " << r);
+    REQUIRE(a.w[r] == b.w[r]);
+    REQUIRE(a.v[r] == b.v[r]);
+    REQUIRE(a.g[r] == b.g[r]);
+    REQUIRE(a.bf[r] == b.bf[r]);
+  }
+  for (std::size_t r = 1; r < a.w.size(); ++r) REQUIRE(a.w[r] == a.w[0]);
+}
+
+// Bit for bit: each bucket's update sees exactly the values a blocking all-reduce of that bucket
+// leaves, SGD's element math is per element, and LARS' norms are per-block sums over those values
+// added in block order, whichever ranges arrive first.
+template <class Codec, class O>
+void bucketed_equals_reference(const O& opt) {
+  for (const auto avg : {optim::averaging::in_update, optim::averaging::in_collective})
+    for (const auto& bc : bucket_lists())
+      for (int n = 1; n <= 5; ++n) {
+        INFO(bc.name << ", " << n << " ranks, " << O::name() << ", " << Codec{}.name()
+                     << (avg == optim::averaging::in_update ? ", average in the update" : ", average in the collective"));
+        const auto orders = ready_orders(bc.buckets.size());
+        // Every order against the reference for one rank count; the list's order for the rest.
+        for (std::size_t o = 0; o < (n == 3 ? orders.size() : 1); ++o) {
+          INFO("bucket_ready order " << o);
+          require_same(run_buckets<Codec>(n, opt, avg, bc.buckets, orders[o], how::bucketed, false),
+                       run_buckets<Codec>(n, opt, avg, bc.buckets, orders[o], how::reference, false));
+        }
+      }
+}
+
+}  // namespace
+
+TEST_CASE("bucketed step equals per-bucket all_reduce then update, bit for bit", "[step][bucket]") {
+  bucketed_equals_reference<lockstep::codec::fp32>(sgds[0]);
+  bucketed_equals_reference<lockstep::codec::fp32>(sgds[2]);
+  bucketed_equals_reference<lockstep::codec::fp32>(larses[0]);
+  bucketed_equals_reference<lockstep::codec::fp32>(larses[1]);
+  bucketed_equals_reference<lockstep::codec::dyntree8>(sgds[1]);
+  bucketed_equals_reference<lockstep::codec::dyntree8>(larses[0]);
+}
+
+TEST_CASE("bucketed step equals the unbucketed step where the sums are exact", "[step][bucket]") {
+  // With fp32 and exactly summable gradients, how the buffer is cut into buckets cannot change a
+  // reduced value, so every bucket list and order must give optim::step's bits (one bucket).
+  auto check = [](const auto& opt) {
+    for (const auto avg : {optim::averaging::in_update, optim::averaging::in_collective})
+      for (int n = 1; n <= 5; ++n) {
+        const auto lists = bucket_lists();
+        const std::vector<std::size_t> one{0};
+        const auto whole = run_buckets<lockstep::codec::fp32>(n, opt, avg, lists[0].buckets, one, how::bucketed, true);
+        for (std::size_t l = 1; l < lists.size(); ++l) {
+          INFO(lists[l].name << ", " << n << " ranks, " << std::decay_t<decltype(opt)>::name());
+          const auto orders = ready_orders(lists[l].buckets.size());
+          require_same(run_buckets<lockstep::codec::fp32>(n, opt, avg, lists[l].buckets, orders[2], how::bucketed, true),
+                       whole);
+        }
+      }
+  };
+  check(sgds[0]);
+  check(larses[0]);
+  check(larses[1]);
+}
+
+TEST_CASE("step with the average in the collective equals all_reduce(average) then update", "[step]") {
+  // Today's trainers' arithmetic, which averaging::in_collective must reproduce for any rank count
+  // and a lossy codec (the other averaging is bitwise only where 1/ranks is a power of two).
+  for (int n = 1; n <= 5; ++n) {
+    INFO(n << " ranks");
+    const std::vector<optim::bucket> whole{{0, bucket_params().size()}};
+    const std::vector<std::size_t> one{0};
+    for (const auto& opt : larses)
+      require_same(run_buckets<lockstep::codec::bf16>(n, opt, optim::averaging::in_collective, whole, one, how::bucketed, false),
+                   run_buckets<lockstep::codec::bf16>(n, opt, optim::averaging::in_collective, whole, one, how::reference, false));
+  }
+}
+
+TEST_CASE("a bucket list that cuts a tensor, overlaps, leaves a gap or runs past the end is refused", "[step][bucket]") {
+  const auto& ps = bucket_params();
+  const std::size_t n = ps.size(), t3 = ps[3].offset, t4 = ps[4].offset;
+  auto refused = [&](std::vector<optim::bucket> b, std::vector<std::string> words) {
+    lockstep::run_inproc(1, [&](group<inproc>& g) {
+      std::vector<float> w(n, 1.0f), gr(n, 0.0f);
+      optim::state st(ps, sgds[0]);
+      lockstep::codec::fp32 c;
+      const optim::plan<optim::sgd> plan{.opt = sgds[0], .params = ps, .st = st, .weights = w, .grads = gr};
+      try {
+        auto s = optim::begin_step(g, lockstep::topology::ring{}, c, plan, b, 0.1f);
+        FAIL("accepted");
+      } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::invalid_argument);
+        CHECK(e.op() == "optim::step");
+        for (const auto& wd : words) CHECK_THAT(e.what(), Catch::Contains(wd));
+      }
+    });
+  };
+  refused({{0, t3 + 10}, {t3 + 10, n}}, {"tensor 3 [" + std::to_string(t3) + ", ", "cut by bucket 0 [0, "});
+  refused({{t4, n}, {0, t3 + 1}, {t3 + 1, t4}}, {"tensor 3", "cut by bucket 1"});
+  refused({{0, t4}, {t3, n}}, {"bucket 1 [" + std::to_string(t3) + ", " + std::to_string(n) + ") overlaps bucket 0"});
+  refused({{t4, n}, {0, t3}}, {"elements [" + std::to_string(t3) + ", " + std::to_string(t4) + ") are in no bucket"});
+  refused({{0, t4}}, {"elements [" + std::to_string(t4) + ", " + std::to_string(n) + ") are in no bucket"});
+  refused({{0, t4}, {t4, n + 16}}, {"bucket 1", "ends past the " + std::to_string(n) + " elements"});
+  refused({{0, t4}, {t4, t4}, {t4, n}}, {"bucket 1", "is empty"});
+  refused({}, {"no buckets"});
+}
+
+TEST_CASE("bucket_ready and wait refuse misuse, and a dropped step finishes its buckets", "[step][bucket]") {
+  const auto& ps = bucket_params();
+  const auto b = buckets_at(ps, {0, 3, 4});
+  lockstep::run_inproc(1, [&](group<inproc>& g) {
+    std::vector<float> w(ps.size(), 1.0f), gr(ps.size(), 0.5f);
+    optim::state st(ps, sgds[0]);
+    lockstep::codec::fp32 c;
+    const optim::plan<optim::sgd> plan{.opt = sgds[0], .params = ps, .st = st, .weights = w, .grads = gr};
+    const lockstep::topology::ring ring;
+    {
+      auto s = optim::begin_step(g, ring, c, plan, b, 0.1f);
+      s.bucket_ready(1);
+      CHECK_THROWS_WITH(s.bucket_ready(1), Catch::Contains("bucket 1 [") && Catch::Contains("made ready twice"));
+      CHECK_THROWS_WITH(s.bucket_ready(3), Catch::Contains("bucket_ready(3) of a list of 3 buckets"));
+      s.bucket_ready(2);
+      CHECK_THROWS_WITH(s.wait(), Catch::Contains("bucket_ready was never called for bucket(s) 0 of 3"));
+      CHECK_THROWS_WITH(s.bucket_ready(0), Catch::Contains("after wait()"));
+      CHECK_THROWS_WITH(s.wait(), Catch::Contains("wait() called twice"));
+    }
+    CHECK(st.steps() == 0);
+    // Dropped without wait(): the destructor waits for the started bucket, whose update ran.
+    std::fill(w.begin(), w.end(), 1.0f);
+    {
+      auto s = optim::begin_step(g, ring, c, plan, b, 0.1f);
+      s.bucket_ready(0);  // the last tensors: [offset of tensor 4, end)
+    }
+    CHECK(st.steps() == 0);
+    CHECK(w[ps[4].offset] != 1.0f);
+    CHECK(w[ps.size() - 1] != 1.0f);
+    CHECK(w[0] == 1.0f);
+    // The group is usable afterwards: a whole step runs.
+    optim::step(g, ring, c, plan, 0.1f);
+    CHECK(st.steps() == 1);
+  });
+}
+
+TEST_CASE("a failing bucket's collective surfaces from wait(), naming the bucket", "[step][bucket]") {
+  // Rank 1 never makes the last bucket ready, so rank 0's all-reduce of it times out; both ranks'
+  // earlier buckets complete and are applied.
+  const auto& ps = bucket_params();
+  const auto b = buckets_at(ps, {0, 3, 4});
+  std::vector<std::string> seen(2);
+  std::vector<std::vector<float>> weights(2);
+  lockstep::run_inproc(
+      2,
+      [&](group<inproc>& g) {
+        std::vector<float> w(ps.size(), 1.0f), gr(ps.size(), 0.5f);
+        optim::state st(ps, sgds[0]);
+        lockstep::codec::fp32 c;
+        const optim::plan<optim::sgd> plan{.opt = sgds[0], .params = ps, .st = st, .weights = w, .grads = gr};
+        auto s = optim::begin_step(g, lockstep::topology::ring{}, c, plan, b, 0.1f);
+        s.bucket_ready(0);
+        s.bucket_ready(1);
+        if (g.rank() == 0) s.bucket_ready(2);
+        try {
+          s.wait();
+          seen[g.rank()] = "no error";
+        } catch (const lockstep::error& e) {
+          seen[g.rank()] = e.what();
+          if (g.rank() == 0) {
+            CHECK(e.code() == lockstep::errc::timeout);
+            CHECK(e.peer() == 1);
+          }
+        }
+        weights[g.rank()] = w;
+      },
+      {.timeout = std::chrono::milliseconds(300)});
+  INFO(seen[0] << "\n" << seen[1]);
+  CHECK_THAT(seen[0], Catch::Contains("optim::step on rank 0 (peer 1)") && Catch::Contains("bucket 2 [0, ") &&
+                          Catch::Contains("all_reduce"));
+  CHECK_THAT(seen[1], Catch::Contains("bucket_ready was never called for bucket(s) 2 of 3"));
+  for (int r = 0; r < 2; ++r) {
+    CHECK(weights[r][ps.size() - 1] != 1.0f);  // bucket 0
+    CHECK(weights[r][ps[3].offset] != 1.0f);   // bucket 1
+  }
+}
+
+TEST_CASE("sharded step with the average in the collective equals the fused step", "[step]") {
+  // SGD is per element, so sharding changes nothing; the divide happens once either way.
+  for (int n = 1; n <= 5; ++n) {
+    INFO(n << " ranks");
+    const auto& ps = bucket_params();
+    std::vector<std::vector<float>> out(2 * n);
+    lockstep::run_inproc(n, [&](group<inproc>& g) {
+      for (int sharded = 0; sharded < 2; ++sharded) {
+        std::vector<float> w(ps.size()), gr(ps.size());
+        for (std::size_t i = 0; i < w.size(); ++i) w[i] = weight0(i);
+        optim::state st(ps, sgds[0]);
+        lockstep::codec::fp32 c;
+        const optim::plan<optim::sgd> plan{.opt = sgds[0], .params = ps, .st = st, .weights = w, .grads = gr,
+                                           .average = optim::averaging::in_collective};
+        for (int s = 0; s < steps; ++s) {
+          for (std::size_t i = 0; i < gr.size(); ++i) gr[i] = grad(g.rank(), s, i);
+          if (sharded) optim::step_sharded(g, lockstep::topology::ring{}, c, plan, lrs[s]);
+          else optim::step(g, lockstep::topology::ring{}, c, plan, lrs[s]);
+        }
+        out[2 * g.rank() + sharded] = w;
+      }
+    });
+    for (int r = 0; r < n; ++r) REQUIRE(out[2 * r + 1] == out[0]);
+  }
+}
+
+TEST_CASE("the positional step kept for the device test is the plan's step", "[step]") {
+  const auto& ps = bucket_params();
+  std::vector<std::vector<float>> out(2);
+  lockstep::run_inproc(3, [&](group<inproc>& g) {
+    for (int positional = 0; positional < 2; ++positional) {
+      std::vector<float> w(ps.size()), gr(ps.size());
+      std::vector<std::uint16_t> bf(ps.size(), 0);
+      for (std::size_t i = 0; i < w.size(); ++i) w[i] = weight0(i);
+      optim::state st(ps, larses[0]);
+      lockstep::codec::fp32 c;
+      for (std::size_t i = 0; i < gr.size(); ++i) gr[i] = grad(g.rank(), 0, i);
+      if (positional) {
+        optim::step(g, lockstep::topology::ring{}, c, larses[0], ps, std::span<float>(w), std::span<float>(gr), st, 0.5f,
+                    std::span<std::uint16_t>(bf));
+      } else {
+        optim::step(g, lockstep::topology::ring{}, c,
+                    optim::plan<optim::lars>{.opt = larses[0], .params = ps, .st = st, .weights = w, .grads = gr,
+                                             .weights_bf16 = bf},
+                    0.5f);
+      }
+      if (g.rank() == 0) out[positional] = w;
+    }
+  });
+  REQUIRE(out[0] == out[1]);
+  bool moved = false;
+  for (std::size_t i = 0; i < out[0].size(); ++i) moved = moved || out[0][i] != weight0(i);
+  REQUIRE(moved);
 }

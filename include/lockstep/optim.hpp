@@ -2,9 +2,11 @@
 // collectives.
 #pragma once
 #include "core/thread_pool.hpp"
+#include "optim/bucket.hpp"
 #include "optim/concept.hpp"
 #include "optim/lars.hpp"
 #include "optim/param_set.hpp"
+#include "optim/plan.hpp"
 #include "optim/schedule.hpp"
 #include "optim/sgd.hpp"
 #include "optim/state.hpp"

@@ -1,10 +1,14 @@
 // samples/fashion_cnn/replica_cpu.hpp: one replica of lockstep-train-fashion on the CPU: the
-// oneDNN model (model.hpp), its gradients averaged by lockstep's host collectives, and the update
-// by optim::update. The loop that drives it is trainer.hpp's train_replica.
+// oneDNN model (model.hpp), its gradients averaged and applied by lockstep's bucketed fused step
+// (optim::begin_step). The loop that drives it is trainer.hpp's train_replica.
 //
 // Per step: forward; backward, and the moment a bucket of gradients (one per block) is written,
-// its all_reduce_async starts, so the classifier's gradients travel while the convolutions' are
-// computed; wait for the buckets; one optim::update pass (SGD or LARS) over the whole block.
+// its all-reduce starts with the update of that bucket's tensors (SGD or LARS) as its epilogue, so
+// the classifier's gradients travel and its weights are updated while the convolutions' gradients
+// are computed (backward never reads a block's weights again once its bucket is written); wait for
+// the buckets. The collective averages (averaging::in_collective), which is the arithmetic of
+// all_reduce(average) followed by optim::update with grad_scale 1, so checkpoints are bit for bit
+// those of the trainer before the fused step.
 #pragma once
 
 #include <omp.h>
@@ -13,6 +17,10 @@
 #include <span>
 #include <thread>
 #include <vector>
+
+#include <lockstep/optim/bucket.hpp>
+#include <lockstep/optim/plan.hpp>
+#include <lockstep/optim/step.hpp>
 
 #include "model.hpp"
 #include "trainer.hpp"
@@ -31,23 +39,21 @@ class cpu_replica {
         opt_(opt),
         m_(model_create(model_config(o), o.seed)),
         ps_(tensor_descs(m_.L)),
-        st_(ps_, opt_),
-        pending_(m_.L.buckets.size()) {
+        st_(ps_, opt_) {
+    for (auto [first, last] : m_.L.buckets) buckets_.push_back({first, last});
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     omp_set_num_threads(o.threads > 0 ? o.threads : std::max(1, hw / world.size()));
   }
 
   float train_step(const sample::batch& b, int B, const bn_group& bng, float lr) {
     const float loss = model_forward(m_, b.images.data(), b.labels.data(), B, bng, true);
-    // Gradient sync, the one call site: each bucket is averaged over all replicas as soon as
-    // backward has written it; the update waits for all of them.
-    model_backward(m_, bng, [&](int k) {
-      auto [first, last] = m_.L.buckets[static_cast<std::size_t>(k)];
-      pending_[static_cast<std::size_t>(k)] = lockstep::all_reduce_async(
-          world_, std::span<float>(m_.grads.data() + first, last - first), topo_, codec_, lockstep::reduce_op::average);
-    });
-    for (auto& r : pending_) r.wait();
-    lockstep::optim::update(opt_, ps_, m_.params, m_.grads, st_, lockstep::optim::step_context{lr, 1.0f});
+    // Gradient sync and update, the one call site: each bucket is averaged over all replicas and
+    // applied as soon as backward has written it.
+    const lockstep::optim::plan<Opt> p{.opt = opt_, .params = ps_, .st = st_, .weights = m_.params,
+                                       .grads = m_.grads, .average = lockstep::optim::averaging::in_collective};
+    auto s = lockstep::optim::begin_step(world_, topo_, codec_, p, buckets_, lr);
+    model_backward(m_, bng, [&](int k) { s.bucket_ready(static_cast<std::size_t>(k)); });
+    s.wait();
     return loss;
   }
 
@@ -95,7 +101,7 @@ class cpu_replica {
   model m_;
   lockstep::optim::param_set ps_;
   lockstep::optim::state st_;
-  std::vector<lockstep::request> pending_;
+  std::vector<lockstep::optim::bucket> buckets_;  // (bucket): m_.L.buckets, the index model_backward reports
 };
 
 // One replica of a run on the CPU, the policies named by the flags.

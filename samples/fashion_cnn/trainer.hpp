@@ -6,9 +6,10 @@
 // process) runs the same loop:
 //   batch <- its shard of the step's global batch (pipeline.hpp, prepared in the background)
 //   forward, batch-norm statistics over its group of G replicas (a group made by split)
-//   backward; each bucket of gradients (one per block) starts its all_reduce_async the moment it
-//   is written, so the classifier's gradients travel while the convolutions' are computed
-//   the update (SGD or LARS) with the warmup + polynomial-decay rate once the buckets are done
+//   backward; each bucket of gradients (one per block) starts its all-reduce the moment it is
+//   written, so the classifier's gradients travel while the convolutions' are computed
+//   the update (SGD or LARS) with the warmup + polynomial-decay rate: on the CPU each bucket's,
+//   as its all-reduce's epilogue (optim::begin_step); on the GPU once the buckets are done
 // (the step itself is the backend's: replica_cpu.hpp on oneDNN, replica_cuda.cuh on cuDNN)
 // and after every epoch averages the batch-norm running statistics over all replicas, measures
 // test accuracy (each replica a slice of the test set), and rank 0 writes the CSV row, the

@@ -1,26 +1,40 @@
 // lockstep/optim/step.hpp: one synchronous data-parallel step: the gradients of every rank are
 // reduced and the optimizer turns them into new weights, as the all-reduce's epilogue.
 //
-//   optim::step(g, topology::ring{}, codec, opt, params, weights, grads, st, lr, weights_bf16);
-//   optim::step_sharded(g, topology::ring{}, codec, opt, params, weights, grads, st, lr);
+//   optim::plan<optim::sgd> p{.opt = opt, .params = ps, .st = st, .weights = w, .grads = g};
+//   optim::step(g, topology::ring{}, codec, p, lr);              // the whole buffer, one all-reduce
+//   optim::step_sharded(g, topology::ring{}, codec, p, lr);      // reduce-scatter, update, all-gather
 //
-// Both all-reduce a *sum* and fold the 1/ranks of the average into the update (grad_scale): an
-// average costs the executor a pass over the rank's chunk, the update reads every gradient anyway.
-// Afterwards `grads` holds the summed gradients (step) or this rank's chunk of them (step_sharded).
+//   auto s = optim::begin_step(g, topology::ring{}, codec, p, buckets, lr);   // per bucket:
+//   backward(..., [&](std::size_t k) { s.bucket_ready(k); });   // starts bucket k's all-reduce
+//   s.wait();                                                   // every bucket reduced and applied
 //
-// step — every rank updates every tensor. Passes over memory, in order:
-//   1. all_reduce(sum) of grads with `codec`; its epilogue runs as each element range becomes final
-//      on this rank (this rank's chunk after the reduce-scatter, then each gathered chunk):
-//        SGD:  the update of the range: read w, g, v; write w, v, bf16.          20 B/param
-//        LARS: the tensors this range completes (all of their elements now final) are updated in
-//              waves: per-block sums of w², g² (reads w, g), then the update (w, g again, from
-//              cache, and v).                                                    20 B/param
-//              A tensor cut by a chunk boundary is finished by the range holding its last part.
-//   Nothing runs after the all-reduce: there is no pass over the gradients between the last
-//   receive and the update.
+// The plan (plan.hpp) names what is updated and whether the collective sums (the update folds
+// 1/ranks into grad_scale, averaging::in_update, the default) or averages (averaging::in_collective).
+// Afterwards `grads` holds the reduced gradients (step, begin_step) or this rank's chunk of them
+// (step_sharded).
+//
+// begin_step — the bucketed form, as PyTorch DDP's reducer and Horovod's fusion buffer think of it:
+// backward writes the flat gradient buffer piece by piece, and each piece (a bucket, bucket.hpp)
+// starts its own all_reduce_async the moment it is written, so early buckets travel while backward
+// computes later ones. Each bucket's all-reduce carries the update as its epilogue, on the group's
+// worker thread:
+//   SGD:  the update of every element range the epilogue reports final (this rank's chunk after the
+//         reduce-scatter, then each gathered chunk): read w, g, v; write w, v, bf16.     20 B/param
+//   LARS: the tensors a range completes (all of their elements final; optim::completion) are
+//         updated in waves, as optim::update does: per-block sums of w², g², then the update. A
+//         tensor never straddles buckets, so its last range always comes from its own bucket.
+// bucket_ready may be called in any order, but in the same order on every rank: the k-th
+// collective of one rank meets the k-th of every other. wait() waits for every bucket and rethrows
+// the first failure, naming the bucket; a bucket never made ready is an error too.
+// step is begin_step with the whole buffer as one bucket.
+//
+// The result is bit for bit that of all_reduce per bucket followed by optim::update (with the same
+// averaging): SGD's element math sees the same gradients, and LARS' norms are per-block sums over
+// the same final values added in block order (param_set.hpp), however the ranges arrive.
 //
 // step_sharded — each rank updates only its chunk [rank·n/size, (rank+1)·n/size):
-//   1. reduce_scatter_inplace(sum) of grads with `codec`; epilogue on the rank's chunk:
+//   1. reduce_scatter_inplace with `codec`; epilogue on the rank's chunk:
 //        SGD:  the update of the chunk (20 B/param of the chunk).
 //        LARS: per-block sums over the chunk: reads w, g (8 B/param of the chunk).
 //   2. LARS only: all_reduce (ring of `topo`, fp32) of 3 floats per tensor — the partial sums of
@@ -33,6 +47,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <span>
 #include <string>
 #include <vector>
@@ -41,9 +56,11 @@
 #include "../codec/fp32.hpp"
 #include "../collective/collectives.hpp"
 #include "../core/thread_pool.hpp"
+#include "bucket.hpp"
 #include "completion.hpp"
 #include "concept.hpp"
 #include "param_set.hpp"
+#include "plan.hpp"
 #include "state.hpp"
 #include "update.hpp"
 
@@ -55,46 +72,159 @@ inline error step_error(const char* op, int rank, const std::string& why) {
   return error(errc::invalid_argument, op, rank, -1, why);
 }
 
-template <class Tr, class T, class C, optimizer O>
-void step_impl(group<Tr>& g, const T& topo, C& codec, const O& opt, const param_set& ps, std::span<float> weights,
-               std::span<float> grads, state& st, float lr, std::span<std::uint16_t> weights_bf16,
-               thread_pool& pool) {
-  detail::check_buffers("optim::step", opt, ps, weights.size(), grads.size(), weights_bf16.size(), st);
-  const std::size_t n = ps.size();
-  const step_context ctx{lr, 1.0f / static_cast<float>(g.size())};
-  detail::sweep<O> sw(opt, ps, weights.data(), grads.data(), st, ctx,
-                      weights_bf16.empty() ? nullptr : weights_bf16.data(), pool);
-
-  if (!needs_any_sums(opt, ps)) {
-    sw.prepare_normless();
-    all_reduce(g, grads.first(n), topo, codec, reduce_op::sum,
-               [&](std::size_t first, std::size_t count) { sw.apply_range(first, first + count); });
-  } else {
-    // A tensor is updated by the epilogue call that makes its last elements final.
-    completion done(ps, "optim::step");
-    std::vector<std::size_t> ready;
-    all_reduce(g, grads.first(n), topo, codec, reduce_op::sum, [&](std::size_t first, std::size_t count) {
-      const auto [a, b] = done.report(first, first + count, g.rank());
-      ready.clear();
-      for (std::size_t t = a; t < b; ++t) ready.push_back(t);
-      sw.run(ready);
-    });
-    done.check_all_reported(g.rank());
-  }
-  st.count_step();
+template <class O>
+reduce_op reduction_of(const plan<O>& p) noexcept {
+  return p.average == averaging::in_collective ? reduce_op::average : reduce_op::sum;
 }
 
+}  // namespace detail
+
+// One step in flight over a list of buckets; made by begin_step. Not copyable or movable: each
+// bucket's epilogue refers to it until wait() (or the destructor) has seen that bucket finish.
+template <class Tr, class T, class C, class O>
+class bucketed_step {
+  static_assert(check_optimizer<O>());
+
+ public:
+  bucketed_step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, std::span<const bucket> buckets, float lr)
+      : g_(g), topo_(topo), codec_(codec), plan_(p), rank_(g.rank()), buckets_(buckets.begin(), buckets.end()),
+        sw_(plan_.opt, plan_.params, plan_.weights.data(), plan_.grads.data(), plan_.st,
+            step_context{lr, plan_.grad_scale(g.size())},
+            plan_.weights_bf16.empty() ? nullptr : plan_.weights_bf16.data(), plan_.pool),
+        done_(plan_.params, "optim::step"),
+        norms_(needs_any_sums(plan_.opt, plan_.params)),
+        pending_(buckets_.size()),
+        started_(buckets_.size(), 0) {
+    detail::check_buffers("optim::step", plan_.opt, plan_.params, plan_.weights.size(), plan_.grads.size(),
+                          plan_.weights_bf16.size(), plan_.st);
+    check_buckets(plan_.params, buckets_, "optim::step", rank_);
+    if (!norms_) sw_.prepare_normless();
+  }
+  bucketed_step(const bucketed_step&) = delete;
+  bucketed_step& operator=(const bucketed_step&) = delete;
+
+  // A step abandoned before wait() (backward threw) still must not leave a collective writing
+  // into this object or the buffers: wait for what was started, drop its errors.
+  ~bucketed_step() {
+    if (finished_) return;
+    for (request& r : pending_) {
+      try {
+        r.wait();
+      } catch (...) {  // the step is being abandoned; its caller is already handling an error
+      }
+    }
+  }
+
+  std::size_t bucket_count() const noexcept { return buckets_.size(); }
+
+  // Bucket k of the list is written: start its all-reduce, with the update as its epilogue.
+  void bucket_ready(std::size_t k) {
+    if (finished_) throw detail::step_error("optim::step", rank_, "bucket_ready(" + std::to_string(k) + ") after wait()");
+    if (k >= buckets_.size())
+      throw detail::step_error("optim::step", rank_,
+                               "bucket_ready(" + std::to_string(k) + ") of a list of " + std::to_string(buckets_.size()) + " buckets");
+    if (started_[k]) throw detail::step_error("optim::step", rank_, detail::show(k, buckets_[k]) + " made ready twice");
+    started_[k] = 1;
+    const bucket b = buckets_[k];
+    // The epilogue's ranges are relative to the bucket's span; the sweep works in buffer offsets.
+    pending_[k] = all_reduce_async(g_, plan_.grads.subspan(b.first, b.last - b.first), topo_, codec_,
+                                   detail::reduction_of(plan_), [this, at = b.first](std::size_t first, std::size_t count) {
+                                     on_final(at + first, at + first + count);
+                                   });
+  }
+
+  // Every bucket reduced and its update applied. Waits for all started buckets before it throws:
+  // the first failure of a collective (its lockstep::error, with the bucket named), else the
+  // buckets never made ready.
+  void wait() {
+    if (finished_) throw detail::step_error("optim::step", rank_, "wait() called twice");
+    finished_ = true;
+    std::exception_ptr failure;
+    for (std::size_t k = 0; k < pending_.size(); ++k) {
+      try {
+        pending_[k].wait();
+      } catch (const error& e) {
+        if (!failure)
+          failure = std::make_exception_ptr(
+              error(e.code(), "optim::step", rank_, e.peer(), detail::show(k, buckets_[k]) + ", " + e.op() + ": " + e.detail()));
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+    std::string missing;
+    for (std::size_t k = 0; k < started_.size(); ++k)
+      if (!started_[k]) missing += (missing.empty() ? "" : ", ") + std::to_string(k);
+    if (!missing.empty())
+      throw detail::step_error("optim::step", rank_, "bucket_ready was never called for bucket(s) " + missing +
+                                                          " of " + std::to_string(buckets_.size()));
+    done_.check_all_reported(rank_);
+    plan_.st.count_step();
+  }
+
+ private:
+  // [lo, hi) of the buffer is final on this rank; runs on the group's worker thread, one bucket's
+  // epilogue at a time (a group runs its collectives in order).
+  void on_final(std::size_t lo, std::size_t hi) {
+    const auto [a, b] = done_.report(lo, hi, rank_);
+    if (!norms_) {
+      sw_.apply_range(lo, hi);
+      return;
+    }
+    ready_.clear();
+    for (std::size_t t = a; t < b; ++t) ready_.push_back(t);
+    sw_.run(ready_);
+  }
+
+  group<Tr>& g_;
+  T topo_;
+  C& codec_;
+  plan<O> plan_;
+  int rank_;
+  std::vector<bucket> buckets_;     // (bucket)
+  detail::sweep<O> sw_;             // refers to plan_'s optimizer and buffers
+  completion done_;                 // which tensors are final; also checks every element once
+  bool norms_;                      // some tensor needs its norms: update whole tensors
+  std::vector<std::size_t> ready_;  // tensors completed by the current epilogue call
+  std::vector<request> pending_;    // (bucket)
+  std::vector<unsigned char> started_;  // (bucket)
+  bool finished_ = false;
+};
+
+// Starts a bucketed step: nothing is communicated until bucket_ready. Every rank must call it with
+// the same param_set, optimizer, averaging, buckets, topology, codec and learning rate.
+template <class Tr, class T, class C, class O>
+bucketed_step<Tr, T, C, O> begin_step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p,
+                                      std::span<const bucket> buckets, float lr) {
+  static_assert(check_optimizer<O>());
+  return bucketed_step<Tr, T, C, O>(g, topo, codec, p, buckets, lr);
+}
+
+// The fused step over the whole buffer: one all-reduce, the update as its epilogue.
+template <class Tr, class T, class C, class O>
+void step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, float lr) {
+  static_assert(check_optimizer<O>());
+  const bucket whole[1] = {{0, p.params.size()}};
+  auto s = begin_step(g, topo, codec, p, whole, lr);
+  s.bucket_ready(0);
+  s.wait();
+}
+
+namespace detail {
+
 template <class Tr, class T, class C, optimizer O>
-void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const O& opt, const param_set& ps,
-                       std::span<float> weights, std::span<float> grads, state& st, float lr,
-                       std::span<std::uint16_t> weights_bf16, thread_pool& pool) {
-  detail::check_buffers("optim::step_sharded", opt, ps, weights.size(), grads.size(), weights_bf16.size(), st);
+void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, float lr) {
+  const param_set& ps = p.params;
+  check_buffers("optim::step_sharded", p.opt, ps, p.weights.size(), p.grads.size(), p.weights_bf16.size(), p.st);
   const std::size_t n = ps.size();
   const int rank = g.rank();
   const auto [lo, hi] = chunk_range(n, static_cast<std::size_t>(g.size()), static_cast<std::size_t>(rank));
-  const step_context ctx{lr, 1.0f / static_cast<float>(g.size())};
-  std::uint16_t* bf = weights_bf16.empty() ? nullptr : weights_bf16.data();
-  detail::sweep<O> sw(opt, ps, weights.data(), grads.data(), st, ctx, bf, pool);
+  const step_context ctx{lr, p.grad_scale(g.size())};
+  const reduce_op op = reduction_of(p);
+  std::span<float> weights = p.weights, grads = p.grads;
+  std::uint16_t* bf = p.weights_bf16.empty() ? nullptr : p.weights_bf16.data();
+  thread_pool& pool = p.pool;
+  detail::sweep<O> sw(p.opt, ps, weights.data(), grads.data(), p.st, ctx, bf, pool);
 
   std::vector<std::size_t> own;  // tensors with elements in [lo, hi)
   for (auto [a, b] = ps.tensors_in(lo, hi); a < b; ++a) own.push_back(a);
@@ -108,15 +238,15 @@ void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const O& opt, cons
     reported += count;
   };
 
-  if (!needs_any_sums(opt, ps)) {
+  if (!needs_any_sums(p.opt, ps)) {
     sw.prepare_normless();
-    reduce_scatter_inplace(g, grads.first(n), topo, codec, reduce_op::sum, [&](std::size_t first, std::size_t count) {
+    reduce_scatter_inplace(g, grads.first(n), topo, codec, op, [&](std::size_t first, std::size_t count) {
       check_range(first, count);
       sw.apply_range(first, first + count);
     });
   } else {
     sw.clear_block_sums(own, lo, hi);
-    reduce_scatter_inplace(g, grads.first(n), topo, codec, reduce_op::sum, [&](std::size_t first, std::size_t count) {
+    reduce_scatter_inplace(g, grads.first(n), topo, codec, op, [&](std::size_t first, std::size_t count) {
       check_range(first, count);
       sw.block_sums(own, first, first + count, true);
     });
@@ -155,29 +285,25 @@ void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const O& opt, cons
         bf[e] = codec::bf16_from_bits(std::bit_cast<std::uint32_t>(weights[e]));
     });
   });
-  st.count_step();
+  p.st.count_step();
 }
 
 }  // namespace detail
 
-// The fused step: all-reduce of the gradients, the update as its epilogue. Every rank must call it
-// with the same param_set, optimizer, topology, codec and learning rate.
+// The sharded step: reduce-scatter, update of this rank's chunk, all-gather of the weights.
+template <class Tr, class T, class C, class O>
+void step_sharded(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, float lr) {
+  static_assert(check_optimizer<O>());
+  if constexpr (optimizer<O>) detail::step_sharded_impl(g, topo, codec, p, lr);
+}
+
+// The positional form of step, kept only for tests/cuda/test_device_optim.cu (which compares the
+// device step against it) until the device step takes a plan too; new code builds a plan.
 template <class Tr, class T, class C, class O>
 void step(group<Tr>& g, const T& topo, C& codec, const O& opt, const param_set& ps, std::span<float> weights,
           std::span<float> grads, state& st, float lr, std::span<std::uint16_t> weights_bf16 = {},
           thread_pool& pool = thread_pool::shared()) {
-  static_assert(check_optimizer<O>());
-  if constexpr (optimizer<O>) detail::step_impl(g, topo, codec, opt, ps, weights, grads, st, lr, weights_bf16, pool);
-}
-
-// The sharded step: reduce-scatter, update of this rank's chunk, all-gather of the weights.
-template <class Tr, class T, class C, class O>
-void step_sharded(group<Tr>& g, const T& topo, C& codec, const O& opt, const param_set& ps,
-                  std::span<float> weights, std::span<float> grads, state& st, float lr,
-                  std::span<std::uint16_t> weights_bf16 = {}, thread_pool& pool = thread_pool::shared()) {
-  static_assert(check_optimizer<O>());
-  if constexpr (optimizer<O>)
-    detail::step_sharded_impl(g, topo, codec, opt, ps, weights, grads, st, lr, weights_bf16, pool);
+  step(g, topo, codec, plan<O>{opt, ps, st, weights, grads, weights_bf16, pool}, lr);
 }
 
 }  // namespace lockstep::optim
