@@ -34,6 +34,13 @@ struct inproc_message {
   const void* data;
   std::size_t bytes;
   std::atomic<bool> done{false};
+
+  // The receiver has finished reading (it set `done` under the sender's box lock).
+  template <class Box>
+  static void await_reader(Box& sender_box, inproc_message& m, std::chrono::steady_clock::time_point until) {
+    std::unique_lock lk(sender_box.m);
+    sender_box.cv.wait_until(lk, until, [&] { return m.done.load(std::memory_order_acquire); });
+  }
 };
 
 class inproc_world : public mailbox_world<inproc_message> {
@@ -108,61 +115,8 @@ class inproc {
   // executor that the peer entered the collective (its timeout messages say so).
   static constexpr bool send_completion_means_taken = true;
 
-  // One posted send or receive; move-only. A send that is destroyed before it completed (its
-  // collective failed) settles before the sender's memory can go: a message the peer has not
-  // taken is withdrawn from its mailbox, and one the peer is reading is waited for (reading takes
-  // no waiting of its own, so this is short; it is bounded all the same).
-  struct request {
-    std::shared_ptr<detail::inproc_message> msg;  // send: our posted message
-    void* dst = nullptr;                          // recv: where to copy
-    std::size_t bytes = 0;
-    int peer = -1;
-    std::uint32_t tag = 0;
-    bool recv = false;
-    bool done = false;
-    std::shared_ptr<detail::inproc_world> world;  // send: where msg was posted
-
-    request() = default;
-    request(std::shared_ptr<detail::inproc_message> m, void* d, std::size_t b, int p, std::uint32_t t, bool r,
-            std::shared_ptr<detail::inproc_world> w)
-        : msg(std::move(m)), dst(d), bytes(b), peer(p), tag(t), recv(r), world(std::move(w)) {}
-    request(request&& o) noexcept { *this = std::move(o); }
-    request& operator=(request&& o) noexcept {
-      if (this != &o) {
-        settle();
-        msg = std::move(o.msg);
-        dst = o.dst;
-        bytes = o.bytes;
-        peer = o.peer;
-        tag = o.tag;
-        recv = o.recv;
-        done = std::exchange(o.done, true);
-        world = std::move(o.world);
-      }
-      return *this;
-    }
-    request(const request&) = delete;
-    request& operator=(const request&) = delete;
-    ~request() { settle(); }
-
-   private:
-    void settle() noexcept {
-      if (done || recv || !msg || !world) return;
-      done = true;
-      {
-        auto& b = world->at(peer);
-        std::lock_guard lk(b.m);
-        auto it = std::find(b.q.begin(), b.q.end(), msg);
-        if (it != b.q.end()) {
-          b.q.erase(it);
-          return;
-        }
-      }
-      auto& sb = world->at(msg->src);
-      std::unique_lock lk(sb.m);
-      sb.cv.wait_for(lk, std::chrono::seconds(10), [&] { return msg->done.load(std::memory_order_acquire); });
-    }
-  };
+  // One posted send or receive (transport/mailbox.hpp: a failed send is withdrawn or waited for).
+  using request = detail::posted<detail::inproc_message, detail::inproc_world>;
   struct view {
     std::shared_ptr<detail::inproc_message> msg;
     const std::byte* data = nullptr;

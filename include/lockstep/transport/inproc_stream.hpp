@@ -45,6 +45,19 @@ struct stream_message {
   typename Space::event ready;     // on the sender's stream: the bytes are in place
   typename Space::event consumed;  // on the receiver's stream: the last read of the bytes
   bool released = false;           // `consumed` has been recorded (guarded by the sender's box mutex)
+
+  // The receiver has posted its reads and its stream has run them.
+  template <class Box>
+  static void await_reader(Box& sender_box, stream_message& m, std::chrono::steady_clock::time_point until) {
+    {
+      std::unique_lock lk(sender_box.m);
+      if (!sender_box.cv.wait_until(lk, until, [&] { return m.released; })) return;
+    }
+    try {
+      while (!Space::ready(m.consumed) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    } catch (...) {  // the peer's stream failed: it reads nothing more
+    }
+  }
 };
 
 }  // namespace detail
@@ -57,68 +70,9 @@ class inproc_stream {
   static constexpr std::size_t segment_bytes = pipeline::whole_chunk;
   static constexpr bool stream_ordered = true;
 
-  // One posted send or receive; move-only. A send destroyed before it completed (its collective
-  // failed) settles before the sender's memory can go, as inproc's does: a message the peer has not
-  // taken is withdrawn, and for one it has taken this waits (bounded) until the peer's stream has
-  // run its reads.
-  struct request {
-    std::shared_ptr<detail::stream_message<Space>> msg;  // send: our posted message
-    void* dst = nullptr;                                 // recv: where to copy
-    std::size_t bytes = 0;
-    int peer = -1;
-    std::uint32_t tag = 0;
-    bool recv = false;
-    bool done = false;
-    std::shared_ptr<world_type> world;  // send: where msg was posted
-
-    request() = default;
-    request(std::shared_ptr<detail::stream_message<Space>> m, void* d, std::size_t b, int p, std::uint32_t t, bool r,
-            std::shared_ptr<world_type> w)
-        : msg(std::move(m)), dst(d), bytes(b), peer(p), tag(t), recv(r), world(std::move(w)) {}
-    request(request&& o) noexcept { *this = std::move(o); }
-    request& operator=(request&& o) noexcept {
-      if (this != &o) {
-        settle();
-        msg = std::move(o.msg);
-        dst = o.dst;
-        bytes = o.bytes;
-        peer = o.peer;
-        tag = o.tag;
-        recv = o.recv;
-        done = std::exchange(o.done, true);
-        world = std::move(o.world);
-      }
-      return *this;
-    }
-    request(const request&) = delete;
-    request& operator=(const request&) = delete;
-    ~request() { settle(); }
-
-   private:
-    void settle() noexcept {
-      if (done || recv || !msg || !world) return;
-      done = true;
-      {
-        auto& b = world->at(peer);
-        std::lock_guard lk(b.m);
-        auto it = std::find(b.q.begin(), b.q.end(), msg);
-        if (it != b.q.end()) {
-          b.q.erase(it);
-          return;
-        }
-      }
-      const auto until = clock::now() + std::chrono::seconds(10);
-      auto& sb = world->at(msg->src);
-      {
-        std::unique_lock lk(sb.m);
-        if (!sb.cv.wait_until(lk, until, [&] { return msg->released; })) return;
-      }
-      try {
-        while (!Space::ready(msg->consumed) && clock::now() < until) std::this_thread::yield();
-      } catch (...) {  // the peer's stream failed: it reads nothing more
-      }
-    }
-  };
+  // One posted send or receive (transport/mailbox.hpp: a failed send is withdrawn or waited for,
+  // here until the peer's stream has run its reads).
+  using request = detail::posted<detail::stream_message<Space>, world_type>;
 
   inproc_stream() = default;
   // Rank `rank` of `world`, enqueueing on `stream` (which must outlive the endpoint's groups).

@@ -7,7 +7,9 @@
 // rank's reason and wakes everyone, who then throw errc::aborted with that reason.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -16,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../core/error.hpp"
@@ -74,6 +77,61 @@ class mailbox_world {
   std::atomic<bool> aborted_{false};
   int abort_rank_ = -1;
   std::string abort_reason_;
+};
+
+// A posted send or receive of an in-process transport; move-only. A send that is destroyed before
+// it completed (its collective failed) settles before the sender's memory can go: a message the
+// peer has not taken is withdrawn from its mailbox, and for one the peer is reading this waits
+// (bounded: reading takes no waiting of its own) until Message::await_reader says the peer is done
+// with the bytes. A receive is lazy: it is matched when waited for or consumed.
+template <class Message, class World>
+struct posted {
+  std::shared_ptr<Message> msg;  // send: our posted message
+  void* dst = nullptr;           // recv: where to copy
+  std::size_t bytes = 0;
+  int peer = -1;
+  std::uint32_t tag = 0;
+  bool recv = false;
+  bool done = false;
+  std::shared_ptr<World> world;  // send: where msg was posted
+
+  posted() = default;
+  posted(std::shared_ptr<Message> m, void* d, std::size_t b, int p, std::uint32_t t, bool r, std::shared_ptr<World> w)
+      : msg(std::move(m)), dst(d), bytes(b), peer(p), tag(t), recv(r), world(std::move(w)) {}
+  posted(posted&& o) noexcept { *this = std::move(o); }
+  posted& operator=(posted&& o) noexcept {
+    if (this != &o) {
+      settle();
+      msg = std::move(o.msg);
+      dst = o.dst;
+      bytes = o.bytes;
+      peer = o.peer;
+      tag = o.tag;
+      recv = o.recv;
+      done = std::exchange(o.done, true);
+      world = std::move(o.world);
+    }
+    return *this;
+  }
+  posted(const posted&) = delete;
+  posted& operator=(const posted&) = delete;
+  ~posted() { settle(); }
+
+ private:
+  void settle() noexcept {
+    if (done || recv || !msg || !world) return;
+    done = true;
+    {
+      auto& b = world->at(peer);
+      std::lock_guard lk(b.m);
+      auto it = std::find(b.q.begin(), b.q.end(), msg);
+      if (it != b.q.end()) {
+        b.q.erase(it);
+        return;
+      }
+    }
+    Message::await_reader(world->at(msg->src), *msg, std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  }
 };
 
 // Runs body(r) for r in [0, n) on a thread each. A rank that throws aborts `world`, so the others
