@@ -521,31 +521,3 @@ TEST_CASE("sharded step with the average in the collective equals the fused step
   }
 }
 
-TEST_CASE("the positional step kept for the device test is the plan's step", "[step]") {
-  const auto& ps = bucket_params();
-  std::vector<std::vector<float>> out(2);
-  lockstep::run_inproc(3, [&](group<inproc>& g) {
-    for (int positional = 0; positional < 2; ++positional) {
-      std::vector<float> w(ps.size()), gr(ps.size());
-      std::vector<std::uint16_t> bf(ps.size(), 0);
-      for (std::size_t i = 0; i < w.size(); ++i) w[i] = weight0(i);
-      optim::state st(ps, larses[0]);
-      lockstep::codec::fp32 c;
-      for (std::size_t i = 0; i < gr.size(); ++i) gr[i] = grad(g.rank(), 0, i);
-      if (positional) {
-        optim::step(g, lockstep::topology::ring{}, c, larses[0], ps, std::span<float>(w), std::span<float>(gr), st, 0.5f,
-                    std::span<std::uint16_t>(bf));
-      } else {
-        optim::step(g, lockstep::topology::ring{}, c,
-                    optim::plan<optim::lars>{.opt = larses[0], .params = ps, .st = st, .weights = w, .grads = gr,
-                                             .weights_bf16 = bf},
-                    0.5f);
-      }
-      if (g.rank() == 0) out[positional] = w;
-    }
-  });
-  REQUIRE(out[0] == out[1]);
-  bool moved = false;
-  for (std::size_t i = 0; i < out[0].size(); ++i) moved = moved || out[0][i] != weight0(i);
-  REQUIRE(moved);
-}

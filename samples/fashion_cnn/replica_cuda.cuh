@@ -1,13 +1,12 @@
 // samples/fashion_cnn/replica_cuda.cuh: one replica of lockstep-train-fashion on a GPU: the cuDNN
-// model (model_cuda.cuh), its gradients averaged by lockstep's device collectives, and the update
-// by device::update_async. The loop that drives it is trainer.hpp's train_replica, as on the CPU.
+// model (model_cuda.cuh), its gradients averaged and applied by lockstep's bucketed fused step
+// (optim::begin_step with a device::plan). The loop that drives it is trainer.hpp's train_replica.
 //
 // Two streams per replica, as in PyTorch's DDP: the model computes on its own stream (cuda_ctx());
 // the device group communicates on its stream. The moment backward has enqueued a bucket's
-// gradients, an event orders the group's stream after them and the bucket's all_reduce_async is
-// enqueued there, so it runs while the model stream computes the blocks before it. The update
-// follows the last bucket on the group's stream, and the next forward waits for it (event), not
-// the host. Batch-norm statistics and the test sums go through the host group, as on the CPU.
+// gradients, an event orders the group's stream after them and the bucket's all-reduce, whose
+// epilogue enqueues the update, is enqueued there, so it runs while the model stream computes the
+// blocks before it. The next forward waits for the updates (an event), not the host. Batch-norm statistics and the test sums go through the host group, as on the CPU.
 // Limits: replicas as threads on one GPU (inproc_device), or one replica per MPI process and GPU
 // (NCCL, train_fashion_cuda.cu); checkpoints at epoch ends only, as on the CPU.
 #pragma once
@@ -18,6 +17,8 @@
 
 #include <lockstep/device/space.hpp>
 #include <lockstep/device/optim.hpp>
+#include <lockstep/device/step.hpp>
+#include <lockstep/optim/step.hpp>
 #include <lockstep/transport/inproc_device.hpp>
 
 #include "model_cuda.cuh"
@@ -39,8 +40,8 @@ class gpu_replica {
         ps_(tensor_descs(m_.L)),
         table_(ps_, dg.stream()),
         v_(opt.uses_momentum() ? m_.L.total : 0, dg.stream()),
-        pending_(m_.L.buckets.size()),
         ready_(m_.L.buckets.size()) {
+    for (auto [first, last] : m_.L.buckets) buckets_.push_back({first, last});
     if (v_.size()) LOCKSTEP_SAMPLE_CHECK(cudaMemsetAsync(v_.data(), 0, v_.size() * sizeof(float), dg.stream()));
     LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg.stream()));
   }
@@ -61,17 +62,20 @@ class gpu_replica {
     const cudaStream_t compute = gpu::cuda_ctx().stream, comm = dg_.stream();
     after_update(compute);  // the forward reads the parameters the last update wrote
     const float loss = gpu::model_forward(m_, b.images.data(), b.labels.data(), B, bng, true);
+    // Gradient sync and update, the one call site: each bucket is averaged over all replicas and
+    // applied as soon as backward has written it (its all-reduce waits for the gradients' event).
+    const lockstep::device::plan<Opt> p{.opt = opt_, .table = table_, .weights = {m_.params.data(), m_.L.total},
+                                        .grads = {m_.grads.data(), m_.L.total},
+                                        .momentum = v_.size() ? v_.data() : nullptr,
+                                        .average = lockstep::optim::averaging::in_collective};
+    auto s = lockstep::optim::begin_step(dg_, topo_, codec_, p, buckets_, lr);
     gpu::model_backward(m_, bng, [&](int k) {
-      auto [first, last] = m_.L.buckets[static_cast<std::size_t>(k)];
       ready_[static_cast<std::size_t>(k)].record(compute);
       LOCKSTEP_SAMPLE_CHECK(cudaStreamWaitEvent(comm, ready_[static_cast<std::size_t>(k)].get(), 0));
-      pending_[static_cast<std::size_t>(k)] = lockstep::all_reduce_async(
-          dg_, std::span<float>(m_.grads.data() + first, last - first), topo_, codec_, lockstep::reduce_op::average);
+      s.bucket_ready(static_cast<std::size_t>(k));
     });
-    lockstep::device::update_async(opt_, table_, lockstep::optim::step_context{lr, 1.0f}, m_.params.data(),
-                                   m_.grads.data(), v_.size() ? v_.data() : nullptr, comm);
+    s.wait();  // errors and timeouts of this step surface here
     updated_.record(comm);
-    for (auto& r : pending_) r.wait();  // errors and timeouts of this step surface here
     return loss;
   }
 
@@ -137,7 +141,7 @@ class gpu_replica {
   lockstep::optim::param_set ps_;
   lockstep::device::param_table table_;
   gpu::dbuf<float> v_;  // momentum, on the device
-  std::vector<lockstep::request> pending_;
+  std::vector<lockstep::optim::bucket> buckets_;  // (bucket) the model's, in the order backward writes them
   std::vector<lockstep::device::event> ready_;  // per bucket: its gradients are written
   lockstep::device::event updated_;             // the last update is done
 };

@@ -151,12 +151,17 @@ void compare_fused_step(int ranks, const O& opt, const Topo& topo, const Codec& 
     optim::state st(ps, opt);
     for (int k = 0; k < 3; ++k) {
       gr = grads[g.rank()];
-      optim::step(g, topo, c, opt, ps, std::span<float>(w), std::span<float>(gr), st, lr, std::span<std::uint16_t>(bf));
+      optim::step(g, topo, c, optim::plan<O>{.opt = opt, .params = ps, .st = st, .weights = w, .grads = gr, .weights_bf16 = bf},
+                  lr);
     }
     host[g.rank()] = w;
     host_bf[g.rank()] = bf;
   });
+  // The device step twice: one bucket, and one bucket per tensor made ready last to first (as
+  // backward writes them); both must give the host's weights.
+  for (int bucketed = 0; bucketed < 2; ++bucketed)
   run_inproc_device(ranks, [&](group<transport::inproc_device>& g) {
+    CAPTURE(bucketed);
     Codec c = proto;
     device::param_table table(ps, g.stream());
     auto dw = test::to_device(w0, g.stream());
@@ -165,10 +170,26 @@ void compare_fused_step(int ranks, const O& opt, const Topo& topo, const Codec& 
     LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(dv.data(), 0, n * sizeof(float), g.stream()));
     for (int k = 0; k < 3; ++k) {
       LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dg.data(), grads[g.rank()].data(), n * sizeof(float), cudaMemcpyHostToDevice, g.stream()));
-      device::step(g, topo, c, opt, table, lr, std::span<float>(dw.data(), n), std::span<float>(dg.data(), n), dv.data(), dbf.data());
+      const device::plan<O> p{.opt = opt, .table = table, .weights = {dw.data(), n}, .grads = {dg.data(), n},
+                              .momentum = dv.data(), .weights_bf16 = dbf.data()};
+      if (!bucketed) {
+        optim::step(g, topo, c, p, lr);
+      } else {
+        std::vector<optim::bucket> buckets;
+        for (std::size_t t = 0; t < ps.tensor_count(); ++t) buckets.push_back({ps[t].offset, ps[t].offset + ps[t].size});
+        auto s = optim::begin_step(g, topo, c, p, buckets, lr);
+        for (std::size_t k = buckets.size(); k-- > 0;) s.bucket_ready(k);
+        s.wait();
+      }
     }
-    dev[g.rank()] = test::to_host(dw.data(), n, g.stream());
-    dev_bf[g.rank()] = test::to_host(dbf.data(), n, g.stream());
+    const auto w_now = test::to_host(dw.data(), n, g.stream());
+    const auto bf_now = test::to_host(dbf.data(), n, g.stream());
+    if (bucketed) {  // the bucketed run equals the one-bucket run on this rank, bit for bit
+      CHECK(test::same_bits(w_now, dev[g.rank()]));
+      CHECK(bf_now == dev_bf[g.rank()]);
+    }
+    dev[g.rank()] = w_now;
+    dev_bf[g.rank()] = bf_now;
   });
   for (int r = 0; r < ranks; ++r) {
     CAPTURE(r);

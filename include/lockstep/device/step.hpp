@@ -1,20 +1,18 @@
-// lockstep/device/step.hpp: the fused data-parallel step on device buffers: all-reduce of the
-// gradients with the optimizer update as its epilogue, stream ordered, no host synchronisation.
+// lockstep/device/step.hpp: the fused data-parallel step on device buffers: optim::begin_step and
+// optim::step (optim/step.hpp: one all-reduce per bucket, the update as its epilogue) with a
+// device::plan, stream ordered, no host synchronisation until wait().
 //
 //   device::param_table table(params, g.stream());                     // once
-//   auto r = device::step_async(g, topology::ring{}, codec, opt, table, lr, weights, grads, momentum);
-//   ... enqueue the next forward on g.stream() ...  r.wait();          // or never: the stream orders
+//   device::plan<optim::sgd> p{.opt = opt, .table = table, .weights = w, .grads = gr, .momentum = v};
+//   auto s = optim::begin_step(g, topology::ring{}, codec, p, buckets, lr);
+//   backward(..., [&](std::size_t k) { s.bucket_ready(k); });  s.wait();
 //
-// The device form of optim::step (optim/step.hpp), with the same contract: the all-reduce sums,
-// the update folds 1/ranks in (grad_scale), afterwards `grads` holds the summed gradients.
-//   SGD (no norms): the coefficients are enqueued once, before the all-reduce; every epilogue
-//        range [first, first + count) then gets the update kernel over its elements only.
-//   LARS (norms): an epilogue range completes a run of consecutive tensors (optim::completion,
-//        the host step's bookkeeping); their sums, coefficients and update are three kernels over
-//        exactly their blocks, enqueued when the range becomes final.
-// The epilogue runs while the executor enqueues the all-reduce, so every decision here is made on
-// the host from the schedule; the GPU only sees kernels in stream order.
-//
+// The bucket bookkeeping, the checks and the completion of tensors are optim/'s; this header is
+// only the engine that turns "these elements (or tensors) are final" into kernels:
+//   SGD (no norms): the coefficients are enqueued once, when the step begins; every final range
+//        [lo, hi) then gets the update kernel over its elements only.
+//   LARS (norms): a run of tensors a..b whose gradients are final gets its sums, coefficients and
+//        update: three kernels over exactly their blocks.
 // Compared with the host step, weights agree bit for bit for SGD (same element function, same
 // all-reduce result) and to fp64 rounding of the norms for LARS (the device adds a block's squares
 // in a tree, the host in eight lanes; see device/optim.hpp).
@@ -26,62 +24,90 @@
 #include <span>
 #include <string>
 
-#include "../optim/completion.hpp"
-#include "../optim/concept.hpp"
-#include "../collective/collectives.hpp"
+#include "../optim/plan.hpp"
+#include "../optim/step.hpp"
 #include "optim.hpp"
 #include "space.hpp"
 
 namespace lockstep::device {
 
-template <transport::transport Tr, topology::topology T, codec::codec C, optim::optimizer O>
-  requires std::same_as<transport::space_of<Tr>, cuda_space>
-request step_async(group<Tr>& g, const T& topo, C& codec, const O& opt, param_table& table, float lr,
-                   std::span<float> weights, std::span<float> grads, float* momentum,
-                   std::uint16_t* weights_bf16 = nullptr) {
-  const optim::param_set& ps = table.params();
-  const std::size_t n = ps.size();
-  auto bad = [&](const std::string& why) { return error(errc::invalid_argument, "device::step", g.rank(), -1, why); };
-  if (weights.size() < n) throw bad("weights hold " + std::to_string(weights.size()) + " of the " + std::to_string(n) + " parameters");
-  if (grads.size() < n) throw bad("gradients hold " + std::to_string(grads.size()) + " of the " + std::to_string(n) + " parameters");
-  detail::check_momentum(opt, momentum, "device::step");
+template <class O>
+struct plan {
+  O opt;                                  // the optimizer policy
+  param_table& table;                     // the param_set's device twin (its params() are the tensors)
+  std::span<float> weights;               // (element) device fp32 master weights, updated in place
+  std::span<float> grads;                 // (element) device gradients, reduced in place
+  float* momentum = nullptr;              // (element) device momentum, null for an optimizer without
+  std::uint16_t* weights_bf16 = nullptr;  // (element) device bf16 copy of the new weights, or null
+  optim::averaging average = optim::averaging::in_update;
+};
 
-  const optim::step_context ctx{lr, 1.0f / static_cast<float>(g.size())};
-  float* const w = weights.data();
-  const float* const gr = grads.data();
-  const std::size_t nb = table.block_count(), nt = table.tensor_count();
+template <class O>
+std::size_t plan_elements(const plan<O>& p) noexcept {
+  return p.table.params().size();
+}
 
-  if (!optim::needs_any_sums(opt, ps)) {
-    // Coefficients depend on lr and the optimizer only: once, ahead of the all-reduce.
-    detail::enqueue_coefficients(opt, table, ctx, false, 0, nt, 0, nb, w, gr, g.stream());
-    auto ep = [&, s = g.stream()](std::size_t first, std::size_t count) {
-      // The blocks that hold [first, first + count): those of the tensors it touches.
-      const auto [a, b] = ps.tensors_in(first, first + count);
-      if (a < b) detail::enqueue_update(opt, table, ps.first_block(a), ps.first_block(b - 1) + ps.block_count(b - 1), first,
-                                        first + count, w, gr, momentum, weights_bf16, s);
-    };
-    return all_reduce_async(g, grads.first(n), topo, codec, reduce_op::sum, ep);
+template <class O>
+class engine {
+ public:
+  template <class G>
+  engine(const plan<O>& p, float lr, G& g)
+      : p_(p), ps_(p.table.params()), stream_(g.stream()),
+        ctx_{lr, p.average == optim::averaging::in_update ? 1.0f / static_cast<float>(g.size()) : 1.0f},
+        norms_(optim::needs_any_sums(p.opt, ps_)) {
+    const std::size_t n = ps_.size();
+    auto bad = [&](const std::string& why) { return error(errc::invalid_argument, "device::step", -1, -1, why); };
+    if (p.weights.size() < n) throw bad("weights hold " + std::to_string(p.weights.size()) + " of the " + std::to_string(n) + " parameters");
+    if (p.grads.size() < n) throw bad("gradients hold " + std::to_string(p.grads.size()) + " of the " + std::to_string(n) + " parameters");
+    detail::check_momentum(p.opt, p.momentum, "device::step");
+    // Coefficients of an optimizer without norms depend on lr only: once, ahead of the all-reduces.
+    if (!norms_)
+      detail::enqueue_coefficients(p.opt, p.table, ctx_, false, 0, p.table.tensor_count(), 0, p.table.block_count(),
+                                   p.weights.data(), p.grads.data(), stream());
+  }
+  const optim::param_set& params() const noexcept { return ps_; }
+  bool norms() const noexcept { return norms_; }
+  reduce_op reduction() const noexcept {
+    return p_.average == optim::averaging::in_collective ? reduce_op::average : reduce_op::sum;
+  }
+  std::span<float> grads() const noexcept { return p_.grads; }
+  void range(std::size_t lo, std::size_t hi) {
+    const auto [a, b] = ps_.tensors_in(lo, hi);  // the blocks that hold [lo, hi): those of its tensors
+    if (a < b) update(a, b, lo, hi);
+  }
+  void tensors(std::size_t a, std::size_t b) {
+    detail::enqueue_coefficients(p_.opt, p_.table, ctx_, true, a, b, ps_.first_block(a), last_block(b), p_.weights.data(),
+                                 p_.grads.data(), stream());
+    update(a, b, ps_[a].offset, ps_[b - 1].offset + ps_[b - 1].size);
+  }
+  void finish() noexcept {}
+
+ private:
+  cudaStream_t stream() const noexcept { return stream_; }  // the group's: the epilogues enqueue there
+  std::size_t last_block(std::size_t b) const { return ps_.first_block(b - 1) + ps_.block_count(b - 1); }
+  void update(std::size_t a, std::size_t b, std::size_t lo, std::size_t hi) {
+    detail::enqueue_update(p_.opt, p_.table, ps_.first_block(a), last_block(b), lo, hi, p_.weights.data(), p_.grads.data(),
+                           p_.momentum, p_.weights_bf16, stream());
   }
 
-  optim::completion done(ps, "device::step");
-  auto ep = [&, s = g.stream()](std::size_t first, std::size_t count) {
-    const auto [a, b] = done.report(first, first + count, g.rank());
-    if (a == b) return;
-    const std::size_t b0 = ps.first_block(a), b1 = ps.first_block(b - 1) + ps.block_count(b - 1);
-    detail::enqueue_coefficients(opt, table, ctx, true, a, b, b0, b1, w, gr, s);
-    detail::enqueue_update(opt, table, b0, b1, ps[a].offset, ps[b - 1].offset + ps[b - 1].size, w, gr, momentum,
-                           weights_bf16, s);
-  };
-  request r = all_reduce_async(g, grads.first(n), topo, codec, reduce_op::sum, ep);
-  done.check_all_reported(g.rank());
-  return r;
-}
-
-template <transport::transport Tr, topology::topology T, codec::codec C, optim::optimizer O>
-  requires std::same_as<transport::space_of<Tr>, cuda_space>
-void step(group<Tr>& g, const T& topo, C& codec, const O& opt, param_table& table, float lr, std::span<float> weights,
-          std::span<float> grads, float* momentum, std::uint16_t* weights_bf16 = nullptr) {
-  step_async(g, topo, codec, opt, table, lr, weights, grads, momentum, weights_bf16).wait();
-}
+  plan<O> p_;
+  const optim::param_set& ps_;
+  cudaStream_t stream_;
+  optim::step_context ctx_;
+  bool norms_;
+};
 
 }  // namespace lockstep::device
+
+namespace lockstep::optim {
+
+// The device plan's begin_step: the same bucketed step over the device engine.
+template <class Tr, class T, class C, class O>
+  requires std::same_as<transport::space_of<Tr>, device::cuda_space>
+bucketed_step<Tr, T, C, device::engine<O>> begin_step(group<Tr>& g, const T& topo, C& codec, const device::plan<O>& p,
+                                                      std::span<const bucket> buckets, float lr) {
+  static_assert(check_optimizer<O>());
+  return bucketed_step<Tr, T, C, device::engine<O>>(g, topo, codec, p, buckets, lr);
+}
+
+}  // namespace lockstep::optim

@@ -10,12 +10,12 @@
 // references and spans only, so it is cheap to build every step; everything it names must outlive
 // the step that uses it.
 //
-// The device step will take a plan of the same shape (device/step.hpp does not yet): `opt` by value
-// as here (kernels take it by value), `device::param_table&` where this has `param_set&` (the
-// table is the param_set's device twin: tensors and blocks in device memory, plus the per-block
-// sums and per-tensor coefficients a device sweep needs, so it also stands in for most of `state`),
-// a device momentum pointer for `st`'s buffer, device spans for weights, grads and the bf16 copy,
-// the group's stream in place of the thread pool, and `average` with the same two meanings.
+// The device step takes a plan of the same shape (device::plan, device/step.hpp): `opt` by value
+// as here (kernels take it by value), `device::param_table&` where this has `param_set&` and most
+// of `state` (the param_set's device twin, with the per-block sums and per-tensor coefficients a
+// device sweep needs), a device momentum pointer for `st`'s buffer, device spans for weights,
+// grads and the bf16 copy, the group's stream in place of the thread pool, and `average` with the
+// same two meanings.
 #pragma once
 
 #include <cstdint>
@@ -56,5 +56,11 @@ struct plan {
     return average == averaging::in_update ? 1.0f / static_cast<float>(ranks) : 1.0f;
   }
 };
+
+// The elements a plan updates (what optim::step's single bucket covers).
+template <class O>
+std::size_t plan_elements(const plan<O>& p) noexcept {
+  return p.params.size();
+}
 
 }  // namespace lockstep::optim

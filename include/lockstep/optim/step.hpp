@@ -79,26 +79,60 @@ reduce_op reduction_of(const plan<O>& p) noexcept {
 
 }  // namespace detail
 
+// What a step's epilogues do to the weights, on the host: optim::update's sweep over the thread
+// pool. The device's engine (device/step.hpp) enqueues the same element math as kernels; the
+// bucketed step below drives either.
+//   params()            the tensors (completion and bucket checks)
+//   norms()             some tensor needs its norms: whole tensors are updated, not ranges
+//   range(lo, hi)       update [lo, hi) of the buffer (no norms)
+//   tensors(a, b)       update tensors [a, b), all of whose gradients are final (norms)
+//   finish()            the step is complete on this rank
+template <class O>
+class host_engine {
+ public:
+  template <class G>
+  host_engine(const plan<O>& p, float lr, G& g)
+      : p_(p),
+        sw_(p_.opt, p_.params, p_.weights.data(), p_.grads.data(), p_.st, step_context{lr, p_.grad_scale(g.size())},
+            p_.weights_bf16.empty() ? nullptr : p_.weights_bf16.data(), p_.pool),
+        norms_(needs_any_sums(p_.opt, p_.params)) {
+    detail::check_buffers("optim::step", p_.opt, p_.params, p_.weights.size(), p_.grads.size(), p_.weights_bf16.size(), p_.st);
+    if (!norms_) sw_.prepare_normless();
+  }
+  const param_set& params() const noexcept { return p_.params; }
+  bool norms() const noexcept { return norms_; }
+  reduce_op reduction() const noexcept { return detail::reduction_of(p_); }
+  std::span<float> grads() const noexcept { return p_.grads; }
+  void range(std::size_t lo, std::size_t hi) { sw_.apply_range(lo, hi); }
+  void tensors(std::size_t a, std::size_t b) {
+    ready_.clear();
+    for (std::size_t t = a; t < b; ++t) ready_.push_back(t);
+    sw_.run(ready_);
+  }
+  void finish() { p_.st.count_step(); }
+
+ private:
+  plan<O> p_;
+  detail::sweep<O> sw_;             // refers to p_'s optimizer and buffers
+  bool norms_;
+  std::vector<std::size_t> ready_;  // tensors completed by the current epilogue call
+};
+
 // One step in flight over a list of buckets; made by begin_step. Not copyable or movable: each
 // bucket's epilogue refers to it until wait() (or the destructor) has seen that bucket finish.
-template <class Tr, class T, class C, class O>
+// On a stream-ordered group the epilogues enqueue the update behind each range's reduction and
+// wait() waits for the stream to run the step.
+template <class Tr, class T, class C, class Engine>
 class bucketed_step {
-  static_assert(check_optimizer<O>());
-
  public:
-  bucketed_step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, std::span<const bucket> buckets, float lr)
-      : g_(g), topo_(topo), codec_(codec), plan_(p), rank_(g.rank()), buckets_(buckets.begin(), buckets.end()),
-        sw_(plan_.opt, plan_.params, plan_.weights.data(), plan_.grads.data(), plan_.st,
-            step_context{lr, plan_.grad_scale(g.size())},
-            plan_.weights_bf16.empty() ? nullptr : plan_.weights_bf16.data(), plan_.pool),
-        done_(plan_.params, "optim::step"),
-        norms_(needs_any_sums(plan_.opt, plan_.params)),
+  template <class Plan>
+  bucketed_step(group<Tr>& g, const T& topo, C& codec, const Plan& p, std::span<const bucket> buckets, float lr)
+      : g_(g), topo_(topo), codec_(codec), rank_(g.rank()), buckets_(buckets.begin(), buckets.end()),
+        engine_(p, lr, g),
+        done_(engine_.params(), "optim::step"),
         pending_(buckets_.size()),
         started_(buckets_.size(), 0) {
-    detail::check_buffers("optim::step", plan_.opt, plan_.params, plan_.weights.size(), plan_.grads.size(),
-                          plan_.weights_bf16.size(), plan_.st);
-    check_buckets(plan_.params, buckets_, "optim::step", rank_);
-    if (!norms_) sw_.prepare_normless();
+    check_buckets(engine_.params(), buckets_, "optim::step", rank_);
   }
   bucketed_step(const bucketed_step&) = delete;
   bucketed_step& operator=(const bucketed_step&) = delete;
@@ -126,9 +160,9 @@ class bucketed_step {
     if (started_[k]) throw detail::step_error("optim::step", rank_, detail::show(k, buckets_[k]) + " made ready twice");
     started_[k] = 1;
     const bucket b = buckets_[k];
-    // The epilogue's ranges are relative to the bucket's span; the sweep works in buffer offsets.
-    pending_[k] = all_reduce_async(g_, plan_.grads.subspan(b.first, b.last - b.first), topo_, codec_,
-                                   detail::reduction_of(plan_), [this, at = b.first](std::size_t first, std::size_t count) {
+    // The epilogue's ranges are relative to the bucket's span; the engine works in buffer offsets.
+    pending_[k] = all_reduce_async(g_, engine_.grads().subspan(b.first, b.last - b.first), topo_, codec_,
+                                   engine_.reduction(), [this, at = b.first](std::size_t first, std::size_t count) {
                                      on_final(at + first, at + first + count);
                                    });
   }
@@ -159,34 +193,26 @@ class bucketed_step {
       throw detail::step_error("optim::step", rank_, "bucket_ready was never called for bucket(s) " + missing +
                                                           " of " + std::to_string(buckets_.size()));
     done_.check_all_reported(rank_);
-    plan_.st.count_step();
+    engine_.finish();
   }
 
  private:
-  // [lo, hi) of the buffer is final on this rank; runs on the group's worker thread, one bucket's
-  // epilogue at a time (a group runs its collectives in order).
+  // [lo, hi) of the buffer is final on this rank; runs where the group runs its collectives (the
+  // worker thread, or the enqueueing thread of a stream), one bucket's epilogue at a time.
   void on_final(std::size_t lo, std::size_t hi) {
     const auto [a, b] = done_.report(lo, hi, rank_);
-    if (!norms_) {
-      sw_.apply_range(lo, hi);
-      return;
-    }
-    ready_.clear();
-    for (std::size_t t = a; t < b; ++t) ready_.push_back(t);
-    sw_.run(ready_);
+    if (!engine_.norms()) engine_.range(lo, hi);
+    else if (a < b) engine_.tensors(a, b);
   }
 
   group<Tr>& g_;
   T topo_;
   C& codec_;
-  plan<O> plan_;
   int rank_;
-  std::vector<bucket> buckets_;     // (bucket)
-  detail::sweep<O> sw_;             // refers to plan_'s optimizer and buffers
-  completion done_;                 // which tensors are final; also checks every element once
-  bool norms_;                      // some tensor needs its norms: update whole tensors
-  std::vector<std::size_t> ready_;  // tensors completed by the current epilogue call
-  std::vector<request> pending_;    // (bucket)
+  std::vector<bucket> buckets_;         // (bucket)
+  Engine engine_;
+  completion done_;                     // which tensors are final; also checks every element once
+  std::vector<request> pending_;        // (bucket)
   std::vector<unsigned char> started_;  // (bucket)
   bool finished_ = false;
 };
@@ -194,17 +220,17 @@ class bucketed_step {
 // Starts a bucketed step: nothing is communicated until bucket_ready. Every rank must call it with
 // the same param_set, optimizer, averaging, buckets, topology, codec and learning rate.
 template <class Tr, class T, class C, class O>
-bucketed_step<Tr, T, C, O> begin_step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p,
-                                      std::span<const bucket> buckets, float lr) {
+bucketed_step<Tr, T, C, host_engine<O>> begin_step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p,
+                                                   std::span<const bucket> buckets, float lr) {
   static_assert(check_optimizer<O>());
-  return bucketed_step<Tr, T, C, O>(g, topo, codec, p, buckets, lr);
+  return bucketed_step<Tr, T, C, host_engine<O>>(g, topo, codec, p, buckets, lr);
 }
 
-// The fused step over the whole buffer: one all-reduce, the update as its epilogue.
-template <class Tr, class T, class C, class O>
-void step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, float lr) {
-  static_assert(check_optimizer<O>());
-  const bucket whole[1] = {{0, p.params.size()}};
+// The fused step over the whole buffer: one all-reduce, the update as its epilogue. Any plan
+// begin_step takes (a device plan too, device/step.hpp).
+template <class Tr, class T, class C, class Plan>
+void step(group<Tr>& g, const T& topo, C& codec, const Plan& p, float lr) {
+  const bucket whole[1] = {{0, plan_elements(p)}};
   auto s = begin_step(g, topo, codec, p, whole, lr);
   s.bucket_ready(0);
   s.wait();
@@ -295,15 +321,6 @@ template <class Tr, class T, class C, class O>
 void step_sharded(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, float lr) {
   static_assert(check_optimizer<O>());
   if constexpr (optimizer<O>) detail::step_sharded_impl(g, topo, codec, p, lr);
-}
-
-// The positional form of step, kept only for tests/cuda/test_device_optim.cu (which compares the
-// device step against it) until the device step takes a plan too; new code builds a plan.
-template <class Tr, class T, class C, class O>
-void step(group<Tr>& g, const T& topo, C& codec, const O& opt, const param_set& ps, std::span<float> weights,
-          std::span<float> grads, state& st, float lr, std::span<std::uint16_t> weights_bf16 = {},
-          thread_pool& pool = thread_pool::shared()) {
-  step(g, topo, codec, plan<O>{opt, ps, st, weights, grads, weights_bf16, pool}, lr);
 }
 
 }  // namespace lockstep::optim
