@@ -22,9 +22,7 @@
 // sides, never a truncation or a hang, and a failing call leaves this rank's buffer and its
 // error-feedback residuals untouched. Only the first step's fp32 sends go out beside the headers
 // (they change nothing here, and the peer reads them only after checking our header), which saves
-// the round the headers would otherwise take on their own. (Checking each header lazily, just before
-// that peer's data is used, let a rank run epilogues in a call that then fails; it was tried and
-// dropped.)
+// the round the headers would otherwise take on their own (docs/design.md says what was tried).
 #pragma once
 
 #include <algorithm>
