@@ -19,8 +19,9 @@
 // reduce-scatter). That reaches R + C - 1 quantisations on a torus, the longest chain: bf16's
 // bound, and for dyntree8 what these inputs can reach (docs/codecs.md says why).
 //
-// Each case prints error / bound (bound without the fp32 allowance) and error / the old
-// (R + C - 1) delta M bound; it checks the error is within the bound everywhere, that the
+// Each case prints error / bound (q delta M, without the fp32 allowance) and error / the old
+// (R + C - 1) delta M bound; it checks the error is within the bound everywhere (the proven
+// ((1 + delta)^q - 1) M and the first-order q delta M, see collective_bounds.hpp), that the
 // adversary reached what it was built to reach, and, for int8 on a torus with R, C >= 2, that the
 // old bound is exceeded.
 #include <lockstep/lockstep.hpp>
@@ -97,7 +98,7 @@ fixed_point adversary() {
 }
 
 struct outcome {
-  double ratio = 0;      // max over elements of error / bound (bound without the fp32 allowance)
+  double ratio = 0;      // max over elements of error / (q delta M), without the fp32 allowance
   double old_ratio = 0;  // max over elements of error / ((R + C - 1) delta M)
   double max_error = 0;  // at the target elements, of the sum
 };
@@ -138,7 +139,8 @@ outcome run_case(const T& topo, int rows, int cols, reduce_op op) {
   REQUIRE(y.size() == count);
 
   const double scale = op == reduce_op::average ? 1.0 / n : 1.0;
-  const double factor = error_factor<C>(quantisations<C>(topo, n));
+  const int q = quantisations<C>(topo, n);
+  const double factor = error_factor<C>(q), proven = lockstep_test::proven_error_factor<C>(q);
   const double old_factor = (rows + cols - 1) * delta<C>();
   outcome o;
   for (int c = 0; c < n; ++c) {
@@ -157,6 +159,9 @@ outcome run_case(const T& topo, int rows, int cols, reduce_op op) {
       const double mm = value_relative<C> ? mass[k] : block_m;
       const double err = std::abs(static_cast<double>(y[lo + k]) - ref);
       const double bound = factor * mm * scale, allowance = n * 1e-6 * mm * scale;
+      if (!(err <= proven * mm * scale + allowance))
+        FAIL(codec_name<C>() << " " << rows << "x" << cols << ", chunk " << c << " element " << k << ": error " << err
+                             << " > proven bound " << proven * mm * scale);
       if (!(err <= bound + allowance))
         FAIL(codec_name<C>() << " " << rows << "x" << cols << ", chunk " << c << " element " << k << ": error " << err
                              << " > bound " << bound);
@@ -180,7 +185,7 @@ void check_shape(const T& topo, int rows, int cols, const char* label) {
   const fixed_point fp = adversary<C>();
   for (reduce_op op : {reduce_op::sum, reduce_op::average}) {
     const outcome o = run_case<C>(topo, rows, cols, op);
-    std::printf("bounds: %-8s %-8s %dx%d %-7s error/bound %.4f  error/old bound %.4f\n", codec_name<C>().c_str(), label,
+    std::printf("bounds: %-8s %-8s %dx%d %-7s error/bound %.6f  error/old bound %.6f\n", codec_name<C>().c_str(), label,
                 rows, cols, op == reduce_op::sum ? "sum" : "average", o.ratio, o.old_ratio);
     if (op != reduce_op::sum) continue;  // the division moves the owner's value off the threshold
     INFO(codec_name<C>() << " " << label << " " << rows << "x" << cols);
