@@ -1,20 +1,20 @@
 // The error bound of a collective, shared by the in-process and the MPI collective tests and by
 // tests/test_bounds.cpp (docs/codecs.md, "Error of a collective", has the derivation):
-//   |y - exact| <= q * delta * M         (proven: ((1 + delta)^q - 1) * M, see error_factor)
-// delta: a codec's error per quantisation relative to its scale (the value itself for bf16, the
-// block's absmax for the blockwise codecs); q: the quantisations whose errors reach one value.
-// A blockwise codec scales every quantisation by a block absmax that another element may set, so
-// every quantisation on a value's path counts: q = N on a ring and on a torus alike (every column
-// reduce-scatter quantises its own partial sums). bf16 scales by the value itself, and the columns
-// of a torus share the value's magnitude out among them, so only the longest chain counts:
-// q = N on a ring, R + C - 1 on an R x C torus. M bounds the partial sums: max_i sum_r |x_r[i]|
-// over the buffer, or over the value's block (the same grid in every phase: blocks start at chunk
-// starts), or for bf16 over the value alone.
+//   |y - exact| <= (n * delta_block + depth * delta_value) * M        (first order)
+// Each quantisation errs by at most delta times its scale: the block's absmax (int8, dyntree8), or
+// the value itself (bf16). A block's absmax may be set by any element, so every one of the n
+// quantisations on a value's path counts with scale M, on a ring and on a torus alike (every column
+// reduce-scatter quantises its own partial sums). Value-relative errors count only the longest
+// chain, depth = N on a ring, R + C - 1 on an R x C torus: column j's partial sums are at most
+// column j's share of the value's magnitude, and the shares add up to M. M bounds the partial sums:
+// max_i sum_r |x_r[i]| over the buffer, or over the value's block (blocks start at chunk starts,
+// so every phase cuts the same blocks), or for bf16 over the value alone.
 #pragma once
 
 #include <lockstep/codec.hpp>
 #include <lockstep/topology.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -43,28 +43,30 @@ inline int hops(const lockstep::topology::torus2d& t, int n) {
   return r + c - 2;
 }
 
-// Quantisations whose errors reach one all_reduce value, from the longest chain's hops h and the
-// group size n: h + 1 for a value-relative codec, n for a blockwise one (ring: h + 1 = n).
+// The factor of M for an all_reduce value (first order), from the longest chain's quantisations
+// `depth` (hops + 1: N on a ring, R+C-1 on a torus) and the group size n (every quantisation on
+// the value's path, on any topology). An error relative to a block's absmax counts all n, one
+// relative to the value itself only `depth`: the columns of a torus share the value's magnitude out
+// among them. dyntree8 is both: half a bin (0.45/64 of the absmax) anywhere, and up to 0.9/64 only
+// in the top bin, where the value is within 0.9/64 of the absmax, so the excess is relative to the
+// value (0.45/64 / (1 - 0.9/64) of it); the smaller of the two counts holds.
 template <class C>
-int quantisations(int h, int n) {
-  return value_relative<C> ? h + 1 : n;
-}
-template <class C, class T>
-int quantisations(const T& topo, int n) {
-  return quantisations<C>(hops(topo, n), n);
+double error_factor(int depth, int n) {
+  using namespace lockstep;
+  if constexpr (std::is_same_v<C, codec::bf16>) return depth * delta<C>();
+  else if constexpr (std::is_same_v<C, codec::dyntree8>) {
+    const double half_bin = 0.45 / 64, top_excess = half_bin / (1 - 0.9 / 64);
+    return std::min(n * delta<C>(), n * half_bin + depth * top_excess);
+  } else return n * delta<C>();
 }
 
-// The factor of M the tests check: q * delta. The derivation proves ((1 + delta)^q - 1), which
-// also counts the errors already in a partial sum enlarging its scale; no input found reaches past
-// q * delta (the quantisation that sets a block's scale round-trips exactly), so the tests hold the
-// collectives to the first-order bound and tests/test_bounds.cpp prints how close it comes.
+// What the derivation proves: the first-order factor times (1 + delta)^(n-1), since an error
+// already in a partial sum can enlarge the scale of each later quantisation on its path. No input
+// found reaches past the first order (the element that sets a block's scale round-trips exactly),
+// so the tests hold the collectives to error_factor and tests/test_bounds.cpp checks both.
 template <class C>
-double error_factor(int q) {
-  return q * delta<C>();
-}
-template <class C>
-double proven_error_factor(int q) {
-  return std::expm1(q * std::log1p(delta<C>()));
+double proven_error_factor(int depth, int n) {
+  return error_factor<C>(depth, n) * std::pow(1 + delta<C>(), n - 1);
 }
 
 }  // namespace lockstep_test

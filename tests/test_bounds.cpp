@@ -11,7 +11,8 @@
 //   int8      v = 0, x just below half a code step (1/254): every rank sends x, every partial sum
 //             the target is part of reads x again (what came before rounded to 0), so all N
 //             quantisations err by x;
-//   dyntree8  v = 1 - x, x just inside the top bin [1 - 0.9/64, 1], which decodes to 1;
+//   dyntree8  v = 1, x just above -0.9/64: v + x lies in the top bin [1 - 0.9/64, 1], which
+//             decodes to 1;
 //   bf16      v = 1, x = 2^-8 (a tie, rounded to even: back to 1).
 // For dyntree8 and bf16 the carrier, the first rank of the owner's chains (torus: row a+1 of
 // column b+1 for chunk a*C + b; ring: rank c+1), sends v + x; every other rank of its column sends
@@ -19,9 +20,10 @@
 // reduce-scatter). That reaches R + C - 1 quantisations on a torus, the longest chain: bf16's
 // bound, and for dyntree8 what these inputs can reach (docs/codecs.md says why).
 //
-// Each case prints error / bound (q delta M, without the fp32 allowance) and error / the old
-// (R + C - 1) delta M bound; it checks the error is within the bound everywhere (the proven
-// ((1 + delta)^q - 1) M and the first-order q delta M, see collective_bounds.hpp), that the
+// Each case prints error / bound (the first-order (N delta_block + D delta_value) M of
+// collective_bounds.hpp, without the fp32 allowance) and error / the old (R + C - 1) delta M
+// bound; it checks the error is within the bound everywhere (the first-order one and the proven
+// one, (1 + delta)^(N-1) times larger), that the
 // adversary reached what it was built to reach, and, for int8 on a torus with R, C >= 2, that the
 // old bound is exceeded.
 #include <lockstep/lockstep.hpp>
@@ -42,7 +44,6 @@
 using namespace lockstep;
 using lockstep_test::delta;
 using lockstep_test::error_factor;
-using lockstep_test::quantisations;
 using lockstep_test::value_relative;
 
 namespace {
@@ -139,8 +140,8 @@ outcome run_case(const T& topo, int rows, int cols, reduce_op op) {
   REQUIRE(y.size() == count);
 
   const double scale = op == reduce_op::average ? 1.0 / n : 1.0;
-  const int q = quantisations<C>(topo, n);
-  const double factor = error_factor<C>(q), proven = lockstep_test::proven_error_factor<C>(q);
+  const int depth = lockstep_test::hops(topo, n) + 1;
+  const double factor = error_factor<C>(depth, n), proven = lockstep_test::proven_error_factor<C>(depth, n);
   const double old_factor = (rows + cols - 1) * delta<C>();
   outcome o;
   for (int c = 0; c < n; ++c) {
