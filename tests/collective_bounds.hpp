@@ -1,11 +1,21 @@
-// The error bound of a collective, shared by the in-process and the MPI collective tests:
-//   |y - exact| <= (H + 1) * delta * M        (docs/codecs.md, "Error of a collective")
-// delta: a codec's error per quantisation relative to its block's absmax; H: reduce-scatter hops.
+// The error bound of a collective, shared by the in-process and the MPI collective tests and by
+// tests/test_bounds.cpp (docs/codecs.md, "Error of a collective", has the derivation):
+//   |y - exact| <= (n * delta_block + depth * delta_value) * M        (first order)
+// Each quantisation errs by at most delta times its scale: the block's absmax (int8, dyntree8), or
+// the value itself (bf16). A block's absmax may be set by any element, so every one of the n
+// quantisations on a value's path counts with scale M, on a ring and on a torus alike (every column
+// reduce-scatter quantises its own partial sums). Value-relative errors count only the longest
+// chain, depth = N on a ring, R + C - 1 on an R x C torus: column j's partial sums are at most
+// column j's share of the value's magnitude, and the shares add up to M. M bounds the partial sums:
+// max_i sum_r |x_r[i]| over the buffer, or over the value's block (blocks start at chunk starts,
+// so every phase cuts the same blocks), or for bf16 over the value alone.
 #pragma once
 
 #include <lockstep/codec.hpp>
 #include <lockstep/topology.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 namespace lockstep_test {
@@ -13,19 +23,50 @@ namespace lockstep_test {
 template <class C>
 constexpr bool exact = std::is_same_v<C, lockstep::codec::fp32>;
 
+// Whether the codec's error is relative to each value (bf16) rather than to a block's absmax.
+template <class C>
+constexpr bool value_relative = std::is_same_v<C, lockstep::codec::bf16>;
+
 template <class C>
 double delta() {
   using namespace lockstep;
   if constexpr (std::is_same_v<C, codec::fp32>) return 0.0;
-  else if constexpr (std::is_same_v<C, codec::bf16>) return 1.0 / 256;
+  else if constexpr (std::is_same_v<C, codec::bf16>) return 1.0 / 256;  // half an ulp of 8 significant bits
   else if constexpr (std::is_same_v<C, codec::int8> || std::is_same_v<C, codec::error_feedback<codec::int8>>) return 1.0 / 254;
-  else return 0.9 / 64;
+  else return 0.9 / 64;  // dyntree8: the top bin [1 - 0.9/64, 1] decodes to 1
 }
 
+// Reduce-scatter hops on the longest chain: N-1 on a ring, R+C-2 on an R x C torus.
 inline int hops(const lockstep::topology::ring&, int n) { return n - 1; }
 inline int hops(const lockstep::topology::torus2d& t, int n) {
   auto [r, c] = t.shape(n);
   return r + c - 2;
+}
+
+// The factor of M for an all_reduce value (first order), from the longest chain's quantisations
+// `depth` (hops + 1: N on a ring, R+C-1 on a torus) and the group size n (every quantisation on
+// the value's path, on any topology). An error relative to a block's absmax counts all n, one
+// relative to the value itself only `depth`: the columns of a torus share the value's magnitude out
+// among them. dyntree8 is both: half a bin (0.45/64 of the absmax) anywhere, and up to 0.9/64 only
+// in the top bin, where the value is within 0.9/64 of the absmax, so the excess is relative to the
+// value (0.45/64 / (1 - 0.9/64) of it); the smaller of the two counts holds.
+template <class C>
+double error_factor(int depth, int n) {
+  using namespace lockstep;
+  if constexpr (std::is_same_v<C, codec::bf16>) return depth * delta<C>();
+  else if constexpr (std::is_same_v<C, codec::dyntree8>) {
+    const double half_bin = 0.45 / 64, top_excess = half_bin / (1 - 0.9 / 64);
+    return std::min(n * delta<C>(), n * half_bin + depth * top_excess);
+  } else return n * delta<C>();
+}
+
+// What the derivation proves: the first-order factor times (1 + delta)^(n-1), since an error
+// already in a partial sum can enlarge the scale of each later quantisation on its path. No input
+// found reaches past the first order (the element that sets a block's scale round-trips exactly),
+// so the tests hold the collectives to error_factor and tests/test_bounds.cpp checks both.
+template <class C>
+double proven_error_factor(int depth, int n) {
+  return error_factor<C>(depth, n) * std::pow(1 + delta<C>(), n - 1);
 }
 
 }  // namespace lockstep_test

@@ -1,10 +1,10 @@
 // Collectives over in-process ranks: every op x topology x codec for 1..9 ranks, counts 0, 1,
 // N-1, a prime and 4 Mi. fp32 results are exact on integer-valued inputs (nccl-tests style);
 // lossy codecs stay within the bound of docs/codecs.md against an fp64 reference:
-//   |y - exact| <= (H + 1) * delta * M
-// with H the reduce-scatter hops (N-1 ring, R+C-2 torus), delta the codec's error per
-// quantisation relative to the block's absmax, and M = max_i sum_r |x_r[i]| (bounds every
-// partial sum). Results must be bitwise identical on every rank and from run to run.
+//   |y - exact| <= (N * delta_block + (H + 1) * delta_value) * M
+// with H the reduce-scatter hops on the longest chain (N-1 ring, R+C-2 torus), delta_block and
+// delta_value the codec's error per quantisation relative to its block's absmax and to the value
+// (tests/collective_bounds.hpp), and M = max_i sum_r |x_r[i]| (bounds every partial sum). Results must be bitwise identical on every rank and from run to run.
 //
 // The matrix runs twice: over inproc (host threads, work done at once) and over inproc_deferred
 // (every rank's work queued on a host_stream, completion by events: the path a GPU takes, run by
@@ -76,7 +76,8 @@ struct results {
 template <class C>
 void check_close(const std::vector<float>& y, const std::vector<double>& ref, double m, int h, int n, double scale) {
   REQUIRE(y.size() == ref.size());
-  const double bound = (h + 1) * delta<C>() * m * scale * (codec::feedback_codec<C> ? 2 : 1) + n * 1e-6 * m * scale;
+  const double bound = lockstep_test::error_factor<C>(h + 1, n) * m * scale *
+                           (codec::feedback_codec<C> ? 2 : 1) + n * 1e-6 * m * scale;
   for (std::size_t i = 0; i < y.size(); ++i) {
     if constexpr (exact<C>) {
       if (y[i] != ref[i]) FAIL("element " << i << ": " << y[i] << " != " << ref[i]);
