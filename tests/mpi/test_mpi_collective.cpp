@@ -58,7 +58,7 @@ float input(int rank, std::size_t i, bool integer) {
 // "" when y is within the bound of `ref` (exactly equal for fp32), else the first bad element.
 template <class C>
 std::string check_close(const float* y, const std::vector<double>& ref, double m, int h, int n, double scale) {
-  const double bound = (h + 1) * delta<C>() * m * scale * (codec::feedback_codec<C> ? 2 : 1) + n * 1e-6 * m * scale;
+  const double bound = lockstep_test::error_factor<C>(h + 1, n) * m * scale * (codec::feedback_codec<C> ? 2 : 1) + n * 1e-6 * m * scale;
   for (std::size_t i = 0; i < ref.size(); ++i) {
     const bool ok = exact<C> ? static_cast<double>(y[i]) == ref[i] : std::abs(y[i] - ref[i]) <= bound;
     if (!ok) {
