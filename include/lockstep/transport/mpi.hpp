@@ -24,12 +24,8 @@
 // is the job's setting to make, not the library's.
 //
 // abort() marks this endpoint failed: later calls on it throw errc::aborted at once, and so do the
-// waits of the peers on its node for messages to or from a rank of the node (through the
-// segment). Peers on other nodes find out through their own timeouts; MPI has no way to interrupt
-// them short of MPI_Abort, which would take the whole job down with it.
-//
-// Where MPI cannot cancel a send (mpi_p2p.hpp, "Limits"), the buffers of a failed call should
-// outlive the transport if the peer may still be alive.
+// waits of the peers on its node (through the segment); peers on other nodes find out through
+// their own timeouts (mpi_p2p.hpp, which also states the limits of a send MPI cannot withdraw).
 #pragma once
 
 #include "routed.hpp"

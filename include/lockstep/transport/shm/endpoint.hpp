@@ -132,6 +132,10 @@ class request {
  private:
   friend class endpoint;
   inline void release() noexcept;
+  recv_op* recv() const noexcept {
+    auto* p = std::get_if<std::shared_ptr<recv_op>>(&op_);
+    return p ? p->get() : nullptr;
+  }
 
   std::shared_ptr<endpoint> ep_;
   std::variant<std::shared_ptr<send_op>, std::shared_ptr<recv_op>> op_;
@@ -230,8 +234,8 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   template <class Idle>
   bool wait(request& r, clock::time_point deadline, Idle&& idle, std::chrono::nanoseconds cap, bool in_place = false) {
     if (r.done_) return true;
-    auto* recv = r.is_recv() ? std::get<1>(r.op_).get() : nullptr;
-    auto* send = recv ? nullptr : std::get<0>(r.op_).get();
+    recv_op* const recv = r.recv();
+    send_op* const send = recv ? nullptr : std::get<std::shared_ptr<send_op>>(r.op_).get();
     const char* op = recv ? "recv" : "send";
     for (int polls = 0;; ++polls) {
       const std::uint32_t seen = block(local_).bell.seen();
@@ -263,7 +267,7 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   // there (the view holds the ring), any other in the receive's memory. Errors as wait().
   template <class Idle>
   view wait_view(request& r, clock::time_point deadline, Idle&& idle, std::chrono::nanoseconds cap) {
-    auto* recv = r.is_recv() ? std::get<1>(r.op_).get() : nullptr;
+    recv_op* const recv = r.recv();
     const std::size_t bytes = recv ? recv->bytes : 0;
     if (!recv || r.done_) {
       if (!wait(r, deadline, idle, cap)) return view{nullptr, bytes, false};
@@ -274,7 +278,7 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
       r.done_ = true;
       view v{in_ring, bytes, true};
       v.ep_ = shared_from_this();
-      v.held_ = std::get<1>(r.op_);
+      v.held_ = std::get<std::shared_ptr<recv_op>>(r.op_);
       return v;
     }
     // Copied out meanwhile (another thread's wait, a starved ring): done, or finishing.
