@@ -299,15 +299,13 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   // Moves whatever can move on every ring of this rank. in_place: `want` is waited for by a
   // wait_view, so its message, once whole in the ring, is left there (want->in_ring) for the
   // caller to read. Every other message goes to its receive's memory as it arrives.
-  bool progress(const recv_op* want = nullptr, bool in_place = false) {
+  void progress(const recv_op* want = nullptr, bool in_place = false) {
     std::lock_guard lk(m_);
-    bool moved = false;
     for (int p = 0; p < lay_.ranks; ++p) {
       if (p == local_) continue;
-      moved |= pump(p);
-      moved |= drain(p, want, in_place);
+      pump(p);
+      drain(p, want, in_place);
     }
-    return moved;
   }
 
   // Marks this rank failed for every local rank of the group and wakes them.
@@ -399,7 +397,7 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     std::byte* at = seg_->base() + lay_.ring_offset(from, to);
     return ring{*reinterpret_cast<ring_control*>(at), at + layout::round(sizeof(ring_control)), lay_.capacity};
   }
-  bool pump(int to) { return out_[static_cast<std::size_t>(to)].pump(ring_of(local_, to), block(to).bell); }
+  void pump(int to) { out_[static_cast<std::size_t>(to)].pump(ring_of(local_, to), block(to).bell); }
 
   // Copies `bytes` at `addr` in local rank p's memory into `dst`.
   bool read_peer(int p, void* dst, std::uint64_t addr, std::size_t bytes) const {
@@ -534,7 +532,7 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   // Reads messages from local rank `from` into their receives, one step at a time, until a step
   // cannot go on. A message nobody asked for stays in the ring unless a receive for another tag
   // from `from` is waiting behind it; the message a wait_view waits for stays once whole.
-  bool drain(int from, const recv_op* want, bool in_place) {
+  void drain(int from, const recv_op* want, bool in_place) {
     auto& in = in_[static_cast<std::size_t>(from)];
     const ring r = ring_of(from, local_);
     cursor c{r.control.tail.load(std::memory_order_relaxed), r.control.head.load(std::memory_order_acquire)};
@@ -547,13 +545,12 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
         case read_state::streaming: more = park(in, r, c) || stream(in, r, c); break;
       }
     }
-    if (c.tail == start) return false;
+    if (c.tail == start) return;
     r.control.tail.store(c.tail, std::memory_order_release);
     block(from).bell.ring();
     // A receive completed here may be another thread's of this rank, asleep on our doorbell.
     auto& mine = block(local_).bell;
     if (mine.sleepers.load(std::memory_order_seq_cst) > 0) mine.ring(true);
-    return true;
   }
 
   // A parked message stays unless the producer is starved or a later receive from its peer is

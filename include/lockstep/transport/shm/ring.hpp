@@ -159,11 +159,11 @@ struct send_op {
 // endpoint's lock guards it).
 class ring_writer {
  public:
-  // Writes what fits; true when the ring's head moved. Rings `bell`, the consumer's, when it did
-  // or when the ring just ran out of room with bytes still to write: the consumer then copies out
-  // what it left parked in the ring, so that a ring never waits on a receive nobody waits for.
-  // (Unread by-reference sends count: their records may wait behind a parked message.)
-  bool pump(const ring& r, doorbell& bell) {
+  // Writes what fits. Rings `bell`, the consumer's, when the head moved or when the ring just ran
+  // out of room with bytes still to write: the consumer then copies out what it left parked in
+  // the ring, so that a ring never waits on a receive nobody waits for. (Unread by-reference
+  // sends count: their records may wait behind a parked message.)
+  void pump(const ring& r, doorbell& bell) {
     complete_acknowledged(r);
     std::uint64_t head = r.control.head.load(std::memory_order_relaxed);
     const std::uint64_t start = head, tail = r.control.tail.load(std::memory_order_acquire);
@@ -172,13 +172,8 @@ class ring_writer {
     const std::uint32_t starved = !queue_.empty() || !reading_.empty() ? 1 : 0;
     const std::uint32_t was = r.control.starved.load(std::memory_order_relaxed);
     if (starved != was) r.control.starved.store(starved, std::memory_order_release);
-    if (head == start) {
-      if (starved && !was) bell.ring();
-      return false;
-    }
-    r.control.head.store(head, std::memory_order_release);
-    bell.ring();
-    return true;
+    if (head != start) r.control.head.store(head, std::memory_order_release);
+    if (head != start || (starved && !was)) bell.ring();
   }
 
   void push(std::shared_ptr<send_op> s) { queue_.push_back(std::move(s)); }
