@@ -1,6 +1,6 @@
 // lockstep/transport/routed.hpp: the transport behind lockstep::transport::mpi (mpi.hpp, which
 // says how to use it): per peer, shared memory (shm/endpoint.hpp) for the ranks of this node and
-// plain MPI (mpi_p2p.hpp) for the others. Requests and views hold whichever one their peer uses.
+// plain MPI (mpi_p2p.hpp) for the others. A request holds whichever kind its peer uses (a variant).
 //
 // Set up by the constructor and by split(), collectively (set_up_shared_memory below). A wait on
 // either kind keeps the other moving: while MPI is waited for, messages to and from the node's
@@ -176,36 +176,8 @@ class routed {
 
   // A finished receive's bytes where they are: in its own memory, or in the shared ring a peer of
   // this node wrote them into (held until released or destroyed). ok == false: the deadline
-  // passed first.
-  class view {
-   public:
-    const std::byte* data = nullptr;
-    std::size_t bytes = 0;
-    bool ok = false;
-
-    view() = default;
-    view(const std::byte* d, std::size_t b, bool k) : data(d), bytes(b), ok(k) {}
-    explicit view(shm::view v) : data(v.data), bytes(v.bytes), ok(v.ok), held_(std::move(v)) {}
-    view(view&& o) noexcept { *this = std::move(o); }
-    view& operator=(view&& o) noexcept {
-      if (this != &o) {
-        data = std::exchange(o.data, nullptr);
-        bytes = std::exchange(o.bytes, 0);
-        ok = std::exchange(o.ok, false);
-        held_ = std::move(o.held_);
-      }
-      return *this;
-    }
-    void reset() noexcept {
-      held_.reset();
-      data = nullptr;
-      bytes = 0;
-      ok = false;
-    }
-
-   private:
-    shm::view held_;  // empty for a message MPI carried
-  };
+  // passed first. One view for both kinds: a view of a message MPI carried holds no ring.
+  using view = shm::view;
 
   // Not connected; the target of an assignment (group::split builds one first).
   routed() = default;
@@ -254,7 +226,7 @@ class routed {
   view wait_view(request& r, clock::time_point deadline) {
     if (auto* q = std::get_if<shm::request>(&r.q_)) {
       if (!q->done()) far_.throw_if_aborted(q->is_recv() ? "recv" : "send", r.peer_);
-      return view(routes_->near->wait_view(*q, deadline, move_far(), far_sleep()));
+      return routes_->near->wait_view(*q, deadline, move_far(), far_sleep());
     }
     const auto& q = std::get<mpi_p2p::request>(r.q_);
     const std::byte* data = q.buffer();  // MPI receives into the receive's own buffer
