@@ -1,0 +1,472 @@
+// lockstep/transport/mpi_p2p.hpp: ranks as MPI processes talking point to point through MPI alone.
+// The mpi transport (mpi.hpp) uses it for every peer off its node, and for all of them where
+// shared memory is off; it is a transport of its own too.
+//
+//   lockstep::transport::mpi_session session(&argc, &argv);          // MPI_Init_thread .. MPI_Finalize
+//   lockstep::transport::mpi_p2p t(MPI_COMM_WORLD);                   // duplicates the communicator
+//
+// Every endpoint owns one communicator (a duplicate of the one it was built from, or the result of
+// MPI_Comm_split), so a group's messages never meet another group's; copies of an endpoint share
+// it, and the last copy frees it. The communicator returns errors instead of aborting the job.
+//
+// Sends are MPI_Isend. A receive is matched with MPI_Improbe before any byte lands: the probe
+// tells the message's size, so a message of another size is an errc::mismatch naming the peer and
+// is drained into a buffer of its own. Posting MPI_Irecv and relying on MPI_ERR_TRUNCATE is not
+// an option: Open MPI 4.1's shared-memory rendezvous (vader, CMA) writes a too-long message past
+// the end of the receive buffer. Receives still match messages in the order they were posted:
+// unmatched receives queue per (peer, tag), and every poll of any request (a send's too) matches
+// what has arrived, so a posted receive lets the peer's send complete as MPI_Irecv would.
+//
+// Waiting polls with a deadline. Ranks are often oversubscribed (4 ranks on 2 cores in CI) and a
+// rank spinning in MPI_Test steals the core its peer needs to make the progress it waits for, so
+// the poll backs off: a few tests, then yields, then short sleeps.
+//
+// abort() marks this endpoint failed: later calls on it throw errc::aborted at once. Peers find
+// out through their own timeouts; MPI has no way to interrupt them short of MPI_Abort, which would
+// take the whole job down with it.
+//
+// Limits: one message carries at most INT_MAX bytes (MPI's count is an int; the executor's
+// segments are far smaller). After a timeout a send this rank gave up on may still be matched by
+// a late peer, and MPI is then free to read its buffer: the group should not be used again, and
+// the buffers of the failed call should outlive the transport if the peer may still be alive.
+// A failed endpoint's communicator is never freed, so no later communicator reuses its context.
+#pragma once
+
+// lockstep uses MPI's C interface; the C++ bindings were dropped by MPI-3 and their headers do not
+// compile warning-free. Only takes effect where mpi.h was not included before.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../core/error.hpp"
+#include "concept.hpp"
+
+namespace lockstep::transport {
+
+namespace detail {
+
+inline std::string mpi_error_text(int rc) {
+  std::array<char, MPI_MAX_ERROR_STRING> buf{};
+  int len = 0;
+  if (MPI_Error_string(rc, buf.data(), &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
+  return std::string(buf.data(), static_cast<std::size_t>(len));
+}
+
+inline bool mpi_finalized() noexcept {
+  int done = 0;
+  MPI_Finalized(&done);
+  return done != 0;
+}
+
+// One posted receive. It is matched to a message (MPI_Improbe) in the order receives were posted
+// for its (peer, tag), then received into `dst` (MPI_Imrecv) when the sizes agree.
+struct mpi_recv_slot {
+  void* dst = nullptr;
+  std::size_t bytes = 0;
+  int peer = -1;
+  std::uint32_t tag = 0;
+  bool matched = false;
+  int got = -1;  // size of the matched message, when it was not `bytes`
+  MPI_Request req = MPI_REQUEST_NULL;
+};
+
+// The communicator of one group and what all copies of its endpoint share.
+struct mpi_comm_state {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 0;
+  long tag_ub = 32767;  // the smallest MPI_TAG_UB the standard allows
+
+  std::mutex m;
+  std::atomic<bool> aborted{false};
+  std::string abort_reason;
+  // A split that timed out leaves its MPI_Iallgather running (MPI cannot cancel a collective);
+  // its request and buffers stay here so that MPI never writes into freed memory.
+  std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<int>>>> abandoned;
+  // Posted receives not yet matched to a message, oldest first, per (peer, tag).
+  std::map<std::pair<int, std::uint32_t>, std::deque<std::shared_ptr<mpi_recv_slot>>> unmatched;
+
+  explicit mpi_comm_state(MPI_Comm c) : comm(c) {
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    void* ub = nullptr;
+    int found = 0;
+    // MPI_TAG_UB is an attribute of MPI_COMM_WORLD only; it holds for every communicator.
+    if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found) == MPI_SUCCESS && found && ub)
+      tag_ub = *static_cast<int*>(ub);
+  }
+  mpi_comm_state(const mpi_comm_state&) = delete;
+  mpi_comm_state& operator=(const mpi_comm_state&) = delete;
+  ~mpi_comm_state() {
+    // After MPI_Finalize every MPI call is erroneous; the communicator went with it.
+    if (comm != MPI_COMM_NULL && !mpi_finalized()) {
+      // A collective abandoned by a timed-out split would make MPI_Comm_free wait for it forever.
+      // A failed endpoint's communicator is kept too: peers may still send on it, and Open MPI
+      // hands a freed communicator's context id to the next one made, where such a late
+      // message would be matched as if it were new (a CI run saw a fresh group fail with a
+      // mismatch 0.1 ms into its first call).
+      if (abandoned.empty() && !aborted.load()) MPI_Comm_free(&comm);
+    }
+  }
+};
+
+}  // namespace detail
+
+// MPI_Init_thread on construction, MPI_Finalize on destruction, when this object did the init.
+// Asks for MPI_THREAD_MULTIPLE: a group runs asynchronous collectives on its own worker thread,
+// and groups made by split() may run collectives at the same time on different threads.
+class mpi_session {
+ public:
+  mpi_session() : mpi_session(nullptr, nullptr) {}
+  mpi_session(int* argc, char*** argv) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized) {
+      MPI_Query_thread(&provided_);
+    } else {
+      const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided_);
+      if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi_session", -1, -1, detail::mpi_error_text(rc));
+      owns_ = true;
+    }
+    // Below SERIALIZED even a group's worker thread may not call MPI.
+    if (provided_ < MPI_THREAD_SERIALIZED) {
+      if (owns_) MPI_Finalize();
+      throw error(errc::transport, "mpi_session", -1, -1,
+                  "the MPI library provides thread level " + std::to_string(provided_) +
+                      "; lockstep needs at least MPI_THREAD_SERIALIZED (MPI_THREAD_MULTIPLE for "
+                      "concurrent collectives on different groups)");
+    }
+  }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+  ~mpi_session() {
+    if (owns_ && !detail::mpi_finalized()) MPI_Finalize();
+  }
+
+  // MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE.
+  int thread_level() const noexcept { return provided_; }
+  bool thread_multiple() const noexcept { return provided_ >= MPI_THREAD_MULTIPLE; }
+
+ private:
+  int provided_ = MPI_THREAD_SINGLE;
+  bool owns_ = false;
+};
+
+class mpi_p2p {
+ public:
+  // 1 MiB segments: large enough that per-message costs vanish, small enough that a received
+  // segment is still in L2 when it is added. Measured with lockstep-bench-allreduce
+  // --segment-bytes 256K..4M (4 ranks on 2 cores, ring, fp32, docs/benchmarks.md "All-reduce"):
+  // 4..64 MiB all-reduces come out within run-to-run noise of each other, so the size that also
+  // suits the cache stays.
+  static constexpr std::size_t segment_bytes = std::size_t{1} << 20;
+
+  // One posted send or receive; move-only. Destroying one that has not completed (a collective
+  // that failed midway) never blocks for long: an unmatched receive is withdrawn, a receive whose
+  // data is already flowing gets a moment to finish, and a send MPI cannot cancel (Open MPI's ob1
+  // cannot cancel sends) is left to MPI to free when the peer takes it.
+  class request {
+   public:
+    request() = default;
+    request(request&& o) noexcept { *this = std::move(o); }
+    request& operator=(request&& o) noexcept {
+      if (this != &o) {
+        release();
+        s_ = std::move(o.s_);
+        slot_ = std::move(o.slot_);
+        send_ = std::exchange(o.send_, MPI_REQUEST_NULL);
+        peer_ = o.peer_;
+        done_ = std::exchange(o.done_, true);
+      }
+      return *this;
+    }
+    request(const request&) = delete;
+    request& operator=(const request&) = delete;
+    ~request() { release(); }
+
+    bool done() const noexcept { return done_; }
+    bool is_recv() const noexcept { return slot_ != nullptr; }
+    // A receive's own buffer, where its bytes land.
+    const std::byte* buffer() const noexcept { return slot_ ? static_cast<const std::byte*>(slot_->dst) : nullptr; }
+    std::size_t bytes() const noexcept { return slot_ ? slot_->bytes : 0; }
+
+   private:
+    friend class mpi_p2p;
+
+    void release() noexcept {
+      if (done_ || !s_) return;
+      done_ = true;
+      if (detail::mpi_finalized()) return;
+      MPI_Request* r = &send_;
+      if (slot_) {
+        std::lock_guard lk(s_->m);
+        if (!slot_->matched) {  // withdraw it: no message will ever be matched to it
+          auto it = s_->unmatched.find({slot_->peer, slot_->tag});
+          if (it != s_->unmatched.end()) {
+            auto& q = it->second;
+            q.erase(std::remove(q.begin(), q.end(), slot_), q.end());
+            if (q.empty()) s_->unmatched.erase(it);
+          }
+          return;
+        }
+        r = &slot_->req;
+      }
+      if (*r == MPI_REQUEST_NULL) return;
+      if (!slot_) MPI_Cancel(r);
+      const auto until = clock::now() + (slot_ ? std::chrono::milliseconds(200) : std::chrono::milliseconds(1));
+      int flag = 0;
+      while (MPI_Test(r, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && !flag && clock::now() < until)
+        std::this_thread::yield();
+      if (*r != MPI_REQUEST_NULL) MPI_Request_free(r);
+    }
+
+    std::shared_ptr<detail::mpi_comm_state> s_;
+    std::shared_ptr<detail::mpi_recv_slot> slot_;  // receives
+    MPI_Request send_ = MPI_REQUEST_NULL;          // sends (and a split's MPI_Iallgather)
+    int peer_ = -1;
+    bool done_ = true;
+  };
+
+  // Not connected; the target of an assignment (group::split builds one first).
+  mpi_p2p() = default;
+  // An endpoint over a duplicate of `parent`; collective over `parent`.
+  explicit mpi_p2p(MPI_Comm parent) {
+    MPI_Comm dup = MPI_COMM_NULL;
+    const int rc = MPI_Comm_dup(parent, &dup);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", -1, -1, "MPI_Comm_dup: " + detail::mpi_error_text(rc));
+    s_ = std::make_shared<detail::mpi_comm_state>(dup);
+  }
+
+  int rank() const noexcept { return s_ ? s_->rank : 0; }
+  int size() const noexcept { return s_ ? s_->size : 0; }
+  std::string name() const { return "mpi_p2p"; }
+  // The communicator this endpoint owns (for MPI calls beside lockstep's, like a benchmark's peer).
+  MPI_Comm comm() const noexcept { return s_ ? s_->comm : MPI_COMM_NULL; }
+
+  request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
+    check(peer, tag, bytes, "send");
+    request r;
+    const int rc = MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, peer, static_cast<int>(tag), s_->comm, &r.send_);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "send", rank(), peer, "MPI_Isend: " + detail::mpi_error_text(rc));
+    r.s_ = s_;
+    r.peer_ = peer;
+    r.done_ = false;
+    return r;
+  }
+
+  // Posts a receive of exactly `bytes`; the next message from `peer` with `tag` that no earlier
+  // receive took is matched to it by the next poll of any request of this endpoint.
+  request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
+    check(peer, tag, bytes, "recv");
+    auto slot = std::make_shared<detail::mpi_recv_slot>();
+    slot->dst = data;
+    slot->bytes = bytes;
+    slot->peer = peer;
+    slot->tag = tag;
+    {
+      std::lock_guard lk(s_->m);
+      s_->unmatched[{peer, tag}].push_back(slot);
+    }
+    request r;
+    r.s_ = s_;
+    r.slot_ = std::move(slot);
+    r.peer_ = peer;
+    r.done_ = false;
+    return r;
+  }
+
+  // The backoff of wait(): 16 bare polls (a message in flight lands within them), 32 yields,
+  // then sleeps of 20, 40, 80, 100, 100 ... us. Measured on 4 ranks over 2 cores shared with other
+  // work (docs/benchmarks.md "All-reduce"): against 256 yields and sleeps growing to 1 ms, lockstep
+  // over mpi went from 0.90x to 1.3x MPI_Allreduce at 1 MiB under load and stayed level when the
+  // machine was quiet. A rank that sleeps leaves the core to the peer it waits for and, woken
+  // by its timer, is scheduled ahead of busy neighbours; a longer sleep only adds latency.
+  static constexpr int spin_polls = 16;
+  static constexpr int yield_polls = 32;
+  static constexpr std::chrono::microseconds first_sleep{20}, max_sleep{100};
+
+  // Finishes a request; false when the deadline passed first. `idle` runs before every look (the
+  // routed transport moves its shared-memory messages there while MPI is waited for).
+  template <class Idle>
+  bool wait(request& r, clock::time_point deadline, Idle&& idle) {
+    if (r.done_) return true;
+    if (!r.s_) throw error(errc::invalid_argument, "wait", rank(), r.peer_, "request of another endpoint");
+    const char* op = r.slot_ ? "recv" : "send";
+    throw_if_aborted(op, r.peer_);
+    auto sleep = first_sleep;
+    for (int polls = 0;; ++polls) {
+      idle();
+      if (test(r, op)) return true;
+      if (clock::now() >= deadline) return false;
+      if (polls < spin_polls) continue;
+      if (polls < spin_polls + yield_polls) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, max_sleep);
+    }
+  }
+  bool wait(request& r, clock::time_point deadline) { return wait(r, deadline, [] {}); }
+
+  // A receive's bytes are in its own buffer: fn reads them there.
+  template <class F>
+  bool consume(request& r, clock::time_point deadline, F&& fn) {
+    if (!wait(r, deadline)) return false;
+    fn(r.buffer());
+    return true;
+  }
+
+  // Collective over this endpoint's group, like MPI_Comm_split. The colours and keys travel first
+  // by MPI_Iallgather, which can be waited on with a deadline; once it completes every rank is
+  // inside split, so the blocking MPI_Comm_split that follows cannot hang.
+  template <class Idle>
+  mpi_p2p split(int color, int key, clock::time_point deadline, Idle&& idle) {
+    if (!s_) throw error(errc::invalid_argument, "split", -1, -1, "endpoint not connected to a communicator");
+    if (color < 0) throw error(errc::invalid_argument, "split", rank(), -1, "negative colour " + std::to_string(color));
+    throw_if_aborted("split", -1);
+    // (rank, {colour, key}) for every rank, then this rank's own pair.
+    auto all = std::make_shared<std::vector<int>>(2 * static_cast<std::size_t>(size()) + 2);
+    int* mine = all->data() + 2 * size();
+    mine[0] = color;
+    mine[1] = key;
+    request pending;
+    int rc = MPI_Iallgather(mine, 2, MPI_INT, all->data(), 2, MPI_INT, s_->comm, &pending.send_);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "split", rank(), -1, "MPI_Iallgather: " + detail::mpi_error_text(rc));
+    pending.s_ = s_;
+    pending.done_ = false;
+    if (!wait(pending, deadline, idle)) {
+      // A collective cannot be cancelled: it stays with the communicator, buffers and all.
+      std::lock_guard lk(s_->m);
+      s_->abandoned.emplace_back(std::exchange(pending.send_, MPI_REQUEST_NULL), all);
+      pending.done_ = true;
+      throw error(errc::timeout, "split", rank(), -1, "not every rank of the group called split");
+    }
+    MPI_Comm out = MPI_COMM_NULL;
+    rc = MPI_Comm_split(s_->comm, color, key, &out);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "split", rank(), -1, "MPI_Comm_split: " + detail::mpi_error_text(rc));
+    mpi_p2p t;
+    t.s_ = std::make_shared<detail::mpi_comm_state>(out);
+    return t;
+  }
+  mpi_p2p split(int color, int key, clock::time_point deadline) { return split(color, key, deadline, [] {}); }
+
+  // Marks this endpoint and every copy failed; true when this call did (not an earlier one).
+  bool abort(const std::string& reason) {
+    if (!s_) return false;
+    std::lock_guard lk(s_->m);
+    if (s_->aborted.load()) return false;
+    s_->abort_reason = reason;
+    s_->aborted.store(true);
+    return true;
+  }
+  bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_relaxed); }
+
+  void throw_if_aborted(const char* op, int peer) const {
+    if (!s_ || !s_->aborted.load(std::memory_order_relaxed)) return;
+    std::lock_guard lk(s_->m);
+    throw error(errc::aborted, op, s_->rank, peer, "this endpoint failed earlier: " + s_->abort_reason);
+  }
+
+  // The checks of every send and receive: connected, not failed, a peer of the group, a tag and
+  // a size MPI can carry.
+  void check(int peer, std::uint32_t tag, std::size_t bytes, const char* op) const {
+    if (!s_) throw error(errc::invalid_argument, op, -1, peer, "endpoint not connected to a communicator");
+    throw_if_aborted(op, peer);
+    if (peer < 0 || peer >= s_->size)
+      throw error(errc::invalid_argument, op, s_->rank, peer, "peer out of range for a group of " + std::to_string(s_->size));
+    if (tag > static_cast<unsigned long>(s_->tag_ub))
+      throw error(errc::invalid_argument, op, s_->rank, peer,
+                  "tag " + std::to_string(tag) + " above this MPI's MPI_TAG_UB " + std::to_string(s_->tag_ub));
+    if (bytes > static_cast<std::size_t>(INT_MAX))
+      throw error(errc::invalid_argument, op, s_->rank, peer,
+                  "message of " + std::to_string(bytes) + " bytes exceeds MPI's int count; use smaller segments");
+  }
+
+  // Matches every message that has arrived to the oldest receive posted for its (peer, tag).
+  // Runs on every poll of every request, sends included: a peer's send may only complete once
+  // this rank's receive is matched (MPI's rendezvous), so posted receives must be matched while
+  // this rank waits for anything, as MPI_Irecv would be. Returns whether `target` (a receive, or
+  // null) is matched, read under the lock that guards matching; once matched, a slot belongs to
+  // its request alone.
+  bool match_all(const detail::mpi_recv_slot* target = nullptr) {
+    std::lock_guard lk(s_->m);
+    for (auto it = s_->unmatched.begin(); it != s_->unmatched.end();) {
+      auto& q = it->second;
+      while (!q.empty() && match_head(*q.front())) q.pop_front();
+      // Tags carry a call number, so a queue is dropped once empty instead of kept for good.
+      it = q.empty() ? s_->unmatched.erase(it) : std::next(it);
+    }
+    return target && target->matched;
+  }
+
+ private:
+  // One look at a request: true when it has finished.
+  bool test(request& r, const char* op) {
+    if (!match_all(r.slot_.get()) && r.slot_) return false;
+    if (r.slot_ && r.slot_->got >= 0) {
+      r.done_ = true;
+      throw error(errc::mismatch, "recv", rank(), r.peer_,
+                  "expected a message of " + std::to_string(r.slot_->bytes) + " bytes, the peer sent " +
+                      std::to_string(r.slot_->got) + " (tag " + std::to_string(r.slot_->tag) + ")");
+    }
+    MPI_Request* req = r.slot_ ? &r.slot_->req : &r.send_;
+    int flag = 0;
+    const int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      r.done_ = true;
+      throw error(errc::transport, op, rank(), r.peer_, "MPI_Test: " + detail::mpi_error_text(rc));
+    }
+    if (flag) r.done_ = true;
+    return r.done_;
+  }
+
+  // True when a message for `head` had arrived and is now matched to it. Called with s_->m held.
+  bool match_head(detail::mpi_recv_slot& head) {
+    int flag = 0;
+    MPI_Message msg = MPI_MESSAGE_NULL;
+    MPI_Status st{};
+    int rc = MPI_Improbe(head.peer, static_cast<int>(head.tag), s_->comm, &flag, &msg, &st);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "recv", rank(), head.peer, "MPI_Improbe: " + detail::mpi_error_text(rc));
+    if (!flag) return false;
+    int count = 0;
+    MPI_Get_count(&st, MPI_BYTE, &count);
+    if (count == static_cast<int>(head.bytes)) {
+      rc = MPI_Imrecv(head.dst, count, MPI_BYTE, &msg, &head.req);
+    } else {
+      // Drained whole, so that neither a truncation nor a stray message is left behind.
+      std::vector<std::byte> sink(static_cast<std::size_t>(std::max(count, 1)));
+      rc = MPI_Mrecv(sink.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+      head.got = count;
+    }
+    head.matched = true;
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "recv", rank(), head.peer, "MPI_Imrecv: " + detail::mpi_error_text(rc));
+    return true;
+  }
+
+  std::shared_ptr<detail::mpi_comm_state> s_;
+};
+
+static_assert(transport<mpi_p2p>);
+
+}  // namespace lockstep::transport

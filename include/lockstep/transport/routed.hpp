@@ -1,0 +1,309 @@
+// lockstep/transport/routed.hpp: the transport behind lockstep::transport::mpi (mpi.hpp, which
+// says how to use it): per peer, shared memory (shm/endpoint.hpp) for the ranks of this node and
+// plain MPI (mpi_p2p.hpp) for the others. A request holds whichever kind its peer uses (a variant).
+//
+// Set up by the constructor and by split(), collectively (set_up_shared_memory below). A wait on
+// either kind keeps the other moving: while MPI is waited for, messages to and from the node's
+// ranks move through the rings; while a ring is waited for, MPI's arrivals are matched to their
+// receives, and the sleep on the doorbell is capped so that they are.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "../core/error.hpp"
+#include "concept.hpp"
+#include "mpi_p2p.hpp"
+#include "shm/endpoint.hpp"
+
+namespace lockstep::transport {
+
+// How an mpi endpoint reaches the peers on its own node.
+struct mpi_options {
+  // Through a shared-memory segment (shm/) rather than MPI. The environment variable
+  // LOCKSTEP_MPI_SHM=0 turns it off for every endpoint (netlab does, so that its ranks, one machine
+  // posing as several, talk over the shaped network).
+  bool shared_memory = true;
+  // Bytes of each ring (one per ordered pair of local ranks); 0: 2 MiB, less where the node has
+  // so many ranks that the segment would pass 64 MiB (never below 64 KiB: from 31 local ranks).
+  std::size_t ring_bytes = 0;
+  // Large sends the receiver copies (isend_in_place) go by reference: the receiver reads them from
+  // the sender's memory with process_vm_readv, where Linux allows it (checked at set-up). Off, or
+  // LOCKSTEP_MPI_CMA=0: every byte goes through the rings.
+  bool by_reference = true;
+};
+
+namespace detail {
+
+// How one endpoint's peers are reached; shared by its copies.
+struct routes {
+  std::shared_ptr<shm::endpoint> near;  // null: every peer through MPI
+  std::vector<int> local_of;            // local_of[peer]: its index on this node, or -1
+  bool remote = true;                   // some peer is off this node
+  std::string note;                     // why shared memory (or by-reference sends) is off
+};
+
+inline std::size_t shm_ring_bytes(const mpi_options& opt, int local_ranks) {
+  if (opt.ring_bytes) return std::max<std::size_t>((opt.ring_bytes + 4095) / 4096 * 4096, 4096);
+  // 64 MiB in all, the rings' control pages and the ranks' blocks included.
+  const shm::layout empty{local_ranks, 0};
+  const std::size_t pairs = empty.rings(), fixed = empty.total();
+  const std::size_t all = std::size_t{64} << 20;
+  const std::size_t budget = all > fixed ? (all - fixed) / pairs / 4096 * 4096 : 0;
+  return std::clamp<std::size_t>(budget, std::size_t{64} << 10, std::size_t{2} << 20);
+}
+
+// Collective over far's communicator: finds the ranks on this node and maps one segment among
+// them. Every choice is agreed (the group's ranks could be given different options or
+// environments): shared memory is on only if every rank asks for it, the ring size is the node's
+// first rank's, and by-reference sends are on only if every local rank asks for them and can
+// read its neighbour. When the segment cannot be made (no /dev/shm room, say), every peer stays
+// with MPI and the note says why.
+inline std::shared_ptr<routes> set_up_shared_memory(const mpi_p2p& far, const mpi_options& opt) {
+  auto out = std::make_shared<routes>();
+  out->local_of.assign(static_cast<std::size_t>(far.size()), -1);
+  auto must = [&](int rc, const char* what) {
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", far.rank(), -1, std::string(what) + ": " + mpi_error_text(rc));
+  };
+  if (far.size() == 1) {
+    out->note = "off (one rank)";
+    return out;
+  }
+  const char* env = std::getenv("LOCKSTEP_MPI_SHM");
+  const bool env_off = env && std::string(env) == "0";
+  int want = opt.shared_memory && !env_off ? 1 : 0, all_want = 0;
+  must(MPI_Allreduce(&want, &all_want, 1, MPI_INT, MPI_MIN, far.comm()), "MPI_Allreduce");
+  if (!all_want) {
+    out->note = !want ? (env_off ? "off (LOCKSTEP_MPI_SHM=0)" : "off (mpi_options)") : "off (another rank of the group turned it off)";
+    return out;
+  }
+  MPI_Comm node = MPI_COMM_NULL;
+  must(MPI_Comm_split_type(far.comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+  struct free_on_exit {
+    MPI_Comm* c;
+    ~free_on_exit() {
+      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+    }
+  } free_node{&node};
+  int local = 0, me = 0;
+  MPI_Comm_size(node, &local);
+  MPI_Comm_rank(node, &me);
+  std::vector<int> names(static_cast<std::size_t>(local));
+  const int rank = far.rank();
+  must(MPI_Allgather(&rank, 1, MPI_INT, names.data(), 1, MPI_INT, node), "MPI_Allgather");
+  out->remote = local < far.size();
+  if (local == 1) {
+    out->note = "off (no other rank on this node)";
+    return out;
+  }
+  // The first local rank creates the segment and says its ring size and name, or why it could not.
+  auto seg = std::make_shared<shm::segment>();
+  std::array<char, 512> msg{};
+  if (me == 0) {
+    const shm::layout lay{local, shm_ring_bytes(opt, local)};
+    std::string name;
+    const std::string why = seg->create_unique(lay.total(), name);
+    if (why.empty()) lay.format(seg->base());
+    const std::string text = why.empty() ? "+" + std::to_string(lay.capacity) + " " + name : "-" + why;
+    std::memcpy(msg.data(), text.data(), std::min(text.size(), msg.size() - 1));
+  }
+  must(MPI_Bcast(msg.data(), static_cast<int>(msg.size()), MPI_CHAR, 0, node), "MPI_Bcast");
+  const std::string text(msg.data());
+  const bool made = !text.empty() && text[0] == '+';
+  std::string why = made ? std::string{} : text.substr(std::min<std::size_t>(1, text.size()));
+  shm::layout lay{local, 0};
+  std::string name;
+  if (made) {
+    const auto space = text.find(' ');
+    lay.capacity = static_cast<std::size_t>(std::stoull(text.substr(1, space - 1)));
+    name = text.substr(space + 1);
+    if (me != 0) why = seg->open(name, lay.total());
+  }
+  int ok = why.empty() ? 1 : 0, all_ok = 0;
+  must(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
+  if (me == 0 && made) shm::segment::unlink(name);  // mapped by all who could
+  if (!all_ok) {
+    out->note = "off (" + (why.empty() ? std::string("another rank of this node could not map the segment") : why) + ")";
+    return out;
+  }
+  auto near = std::make_shared<shm::endpoint>(std::move(seg), lay, me, names);
+  for (int i = 0; i < local; ++i) out->local_of[static_cast<std::size_t>(names[static_cast<std::size_t>(i)])] = i;
+  const char* cma_env = std::getenv("LOCKSTEP_MPI_CMA");
+  const bool ref_wanted = opt.by_reference && !(cma_env && std::string(cma_env) == "0");
+  near->publish_identity();
+  must(MPI_Barrier(node), "MPI_Barrier");
+  int can = ref_wanted && near->can_read_peers() ? 1 : 0, all_can = 0;
+  must(MPI_Allreduce(&can, &all_can, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
+  near->set_by_reference(all_can != 0);
+  if (!all_can)
+    out->note = ref_wanted ? "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)"
+                           : "on, without by-reference sends (off by request)";
+  out->near = std::move(near);
+  return out;
+}
+
+}  // namespace detail
+
+class routed {
+ public:
+  static constexpr std::size_t segment_bytes = mpi_p2p::segment_bytes;
+
+  // One posted send or receive, through shared memory or MPI; move-only. Destroying one that has
+  // not completed withdraws it as its kind does (shm::request, mpi_p2p::request).
+  class request {
+   public:
+    bool done() const noexcept {
+      return std::visit([](const auto& q) { return q.done(); }, q_);
+    }
+    int peer() const noexcept { return peer_; }
+
+   private:
+    friend class routed;
+    std::variant<mpi_p2p::request, shm::request> q_;
+    int peer_ = -1;
+  };
+
+  // A finished receive's bytes where they are: in its own memory, or in the shared ring a peer of
+  // this node wrote them into (held until released or destroyed). ok == false: the deadline
+  // passed first. One view for both kinds: a view of a message MPI carried holds no ring.
+  using view = shm::view;
+
+  // Not connected; the target of an assignment (group::split builds one first).
+  routed() = default;
+  // An endpoint over a duplicate of `parent`; collective over `parent` (MPI_Comm_dup, and the
+  // shared-memory set-up among the ranks of each node). Endpoints split from it keep `opt`.
+  explicit routed(MPI_Comm parent, mpi_options opt = {})
+      : far_(parent), routes_(detail::set_up_shared_memory(far_, opt)), opt_(opt) {}
+
+  int rank() const noexcept { return far_.rank(); }
+  int size() const noexcept { return far_.size(); }
+  std::string name() const { return "mpi"; }
+  // The communicator this endpoint owns (for MPI calls beside lockstep's, like a benchmark's peer).
+  MPI_Comm comm() const noexcept { return far_.comm(); }
+  // How many peers this endpoint reaches through shared memory.
+  int shared_memory_peers() const noexcept { return routes_ && routes_->near ? routes_->near->ranks() - 1 : 0; }
+  bool by_reference() const noexcept { return routes_ && routes_->near && routes_->near->by_reference(); }
+  // Why shared memory (or its by-reference sends) is off; empty when all is on.
+  std::string shared_memory_note() const { return routes_ ? routes_->note : std::string("not connected"); }
+
+  request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) { return send(peer, tag, data, bytes, false); }
+  // isend for bytes that stay unchanged until the send completes and that the receiver copies
+  // rather than adds: to a peer on this node a large one goes by reference (mpi_options).
+  request isend_in_place(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
+    return send(peer, tag, data, bytes, true);
+  }
+
+  request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
+    far_.check(peer, tag, bytes, "recv");
+    request r;
+    r.peer_ = peer;
+    if (const int local = local_of(peer); local >= 0) r.q_ = routes_->near->irecv(local, tag, data, bytes);
+    else r.q_ = far_.irecv(peer, tag, data, bytes);
+    return r;
+  }
+
+  bool wait(request& r, clock::time_point deadline) {
+    if (r.done()) return true;
+    if (auto* q = std::get_if<mpi_p2p::request>(&r.q_)) return far_.wait(*q, deadline, move_near());
+    auto& q = std::get<shm::request>(r.q_);
+    far_.throw_if_aborted(q.is_recv() ? "recv" : "send", r.peer_);
+    return routes_->near->wait(q, deadline, move_far(), far_sleep());
+  }
+
+  // wait() for a receive without the last copy: the view is the received bytes, from a peer on
+  // this node read in the ring they arrived in. Errors as wait().
+  view wait_view(request& r, clock::time_point deadline) {
+    if (auto* q = std::get_if<shm::request>(&r.q_)) {
+      if (!q->done()) far_.throw_if_aborted(q->is_recv() ? "recv" : "send", r.peer_);
+      return routes_->near->wait_view(*q, deadline, move_far(), far_sleep());
+    }
+    const auto& q = std::get<mpi_p2p::request>(r.q_);
+    const std::byte* data = q.buffer();  // MPI receives into the receive's own buffer
+    const std::size_t bytes = q.bytes();
+    if (!wait(r, deadline)) return view{nullptr, bytes, false};
+    return view{data, bytes, true};
+  }
+  // Done reading a view: a message read in the ring leaves it.
+  void release(view& v) { v.reset(); }
+
+  // A receive read where it lies: from a peer on this node in the ring, else in its own buffer.
+  template <class F>
+  bool consume(request& r, clock::time_point deadline, F&& fn) {
+    view v = wait_view(r, deadline);
+    if (!v.ok) return false;
+    fn(v.data);
+    return true;
+  }
+
+  // Collective over this endpoint's group, like MPI_Comm_split (mpi_p2p::split), then the new
+  // group's shared-memory set-up.
+  routed split(int color, int key, clock::time_point deadline) {
+    routed t;
+    t.far_ = far_.split(color, key, deadline, move_near());
+    t.routes_ = detail::set_up_shared_memory(t.far_, opt_);
+    t.opt_ = opt_;
+    return t;
+  }
+
+  // Marks this endpoint failed: later calls throw errc::aborted at once, and so do the waits of
+  // the peers on its node for messages to or from a rank of the node (through the segment).
+  void abort(const std::string& reason) {
+    if (far_.abort(reason) && routes_->near) routes_->near->fail(reason);
+  }
+  bool aborted() const noexcept { return far_.aborted(); }
+
+ private:
+  request send(int peer, std::uint32_t tag, const void* data, std::size_t bytes, bool in_place) {
+    far_.check(peer, tag, bytes, "send");
+    request r;
+    r.peer_ = peer;
+    if (const int local = local_of(peer); local >= 0) r.q_ = routes_->near->isend(local, tag, data, bytes, in_place);
+    else r.q_ = far_.isend(peer, tag, data, bytes);
+    return r;
+  }
+
+  // A message to this rank itself goes through MPI: shared memory has rings between pairs only.
+  int local_of(int peer) const {
+    return routes_->near && peer != rank() ? routes_->local_of[static_cast<std::size_t>(peer)] : -1;
+  }
+
+  // What a wait on one kind does between its looks for the other kind.
+  struct progress_near {
+    shm::endpoint* near;
+    void operator()() const {
+      if (near) near->progress();
+    }
+  };
+  struct match_far {
+    mpi_p2p* far;
+    bool remote;
+    void operator()() const {
+      if (remote) far->match_all();
+    }
+  };
+  progress_near move_near() const { return {routes_ ? routes_->near.get() : nullptr}; }
+  match_far move_far() { return {&far_, routes_->remote}; }
+  // With peers that MPI carries, a ring's waiter sleeps at most as long as MPI's would.
+  std::chrono::nanoseconds far_sleep() const {
+    return routes_->remote ? std::chrono::nanoseconds(mpi_p2p::max_sleep) : std::chrono::nanoseconds(shm::endpoint::idle_sleep);
+  }
+
+  mpi_p2p far_;
+  std::shared_ptr<detail::routes> routes_;
+  mpi_options opt_;
+};
+
+static_assert(transport<routed>);
+
+}  // namespace lockstep::transport
