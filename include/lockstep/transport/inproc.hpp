@@ -137,24 +137,11 @@ class inproc {
   std::string name() const { return "inproc"; }
 
   request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
-    check_peer(peer, "send");
-    auto m = std::make_shared<detail::inproc_message>();
-    m->src = rank_;
-    m->tag = tag;
-    m->data = data;
-    m->bytes = bytes;
-    auto& b = world_->at(peer);
-    {
-      std::lock_guard lk(b.m);
-      b.q.push_back(m);
-    }
-    b.cv.notify_all();
-    return request{std::move(m), nullptr, bytes, peer, tag, false, world_};
+    return detail::post_send<detail::inproc_message>(world_, rank_, peer, tag, data, bytes, [](detail::inproc_message&) {});
   }
 
   request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
-    check_peer(peer, "recv");
-    return request{nullptr, data, bytes, peer, tag, true, nullptr};
+    return detail::post_recv<detail::inproc_message>(world_, rank_, peer, tag, data, bytes);
   }
 
   bool wait(request& r, clock::time_point deadline) {
@@ -254,11 +241,7 @@ class inproc {
   const std::shared_ptr<detail::inproc_world>& world() const noexcept { return world_; }
 
  private:
-  void check_peer(int peer, const char* op) const {
-    if (!world_) throw error(errc::invalid_argument, op, rank_, peer, "endpoint not connected to a world");
-    if (peer < 0 || peer >= size())
-      throw error(errc::invalid_argument, op, rank_, peer, "peer out of range for a world of " + std::to_string(size()));
-  }
+  void check_peer(int peer, const char* op) const { detail::check_peer(world_, rank_, peer, op); }
   void finish(detail::inproc_message& m) {
     auto& sb = world_->at(m.src);
     {

@@ -90,25 +90,11 @@ class inproc_stream {
   typename Space::handle_type stream() const noexcept { return space_.handle(); }
 
   request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
-    check_peer(peer, "send");
-    auto m = std::make_shared<detail::stream_message<Space>>();
-    m->src = rank_;
-    m->tag = tag;
-    m->data = data;
-    m->bytes = bytes;
-    space_.record(m->ready);
-    auto& b = world_->at(peer);
-    {
-      std::lock_guard lk(b.m);
-      b.q.push_back(m);
-    }
-    b.cv.notify_all();
-    return request{std::move(m), nullptr, bytes, peer, tag, false, world_};
+    return detail::post_send<detail::stream_message<Space>>(world_, rank_, peer, tag, data, bytes, [&](detail::stream_message<Space>& m) { space_.record(m.ready); });
   }
 
   request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
-    check_peer(peer, "recv");
-    return request{nullptr, data, bytes, peer, tag, true, nullptr};
+    return detail::post_recv<detail::stream_message<Space>>(world_, rank_, peer, tag, data, bytes);
   }
 
   // A receive copies from the sender's memory on this stream; a send orders this stream after the
@@ -177,11 +163,6 @@ class inproc_stream {
       m.released = true;
     }
     sb.cv.notify_all();
-  }
-  void check_peer(int peer, const char* op) const {
-    if (!world_) throw error(errc::invalid_argument, op, rank_, peer, "endpoint not connected to a world");
-    if (peer < 0 || peer >= size())
-      throw error(errc::invalid_argument, op, rank_, peer, "peer out of range for a world of " + std::to_string(size()));
   }
 
   std::shared_ptr<world_type> world_;

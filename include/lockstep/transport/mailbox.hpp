@@ -134,6 +134,41 @@ struct posted {
   }
 };
 
+// The checks and the posting every in-process transport's isend / irecv make. A send's message is
+// filled (`prepare`: the stream transport records its event) before the peer can see it.
+template <class World>
+void check_peer(const std::shared_ptr<World>& world, int rank, int peer, const char* op) {
+  if (!world) throw error(errc::invalid_argument, op, rank, peer, "endpoint not connected to a world");
+  if (peer < 0 || peer >= world->size())
+    throw error(errc::invalid_argument, op, rank, peer, "peer out of range for a world of " + std::to_string(world->size()));
+}
+
+template <class Message, class World, class Prepare>
+posted<Message, World> post_send(const std::shared_ptr<World>& world, int rank, int peer, std::uint32_t tag,
+                                 const void* data, std::size_t bytes, Prepare&& prepare) {
+  check_peer(world, rank, peer, "send");
+  auto m = std::make_shared<Message>();
+  m->src = rank;
+  m->tag = tag;
+  m->data = data;
+  m->bytes = bytes;
+  prepare(*m);
+  auto& b = world->at(peer);
+  {
+    std::lock_guard lk(b.m);
+    b.q.push_back(m);
+  }
+  b.cv.notify_all();
+  return {std::move(m), nullptr, bytes, peer, tag, false, world};
+}
+
+template <class Message, class World>
+posted<Message, World> post_recv(const std::shared_ptr<World>& world, int rank, int peer, std::uint32_t tag, void* data,
+                                 std::size_t bytes) {
+  check_peer(world, rank, peer, "recv");
+  return {nullptr, data, bytes, peer, tag, true, nullptr};
+}
+
 // Runs body(r) for r in [0, n) on a thread each. A rank that throws aborts `world`, so the others
 // leave their waits at once; after every thread has ended, the first real failure is rethrown
 // (or, if every failure was a consequence of another, the first errc::aborted).
