@@ -8,7 +8,7 @@
 # device code; the rest go through nvcc's front end only (-cuda).
 # Headers that define kernels (they include lockstep/device/config.hpp) must not compile under the
 # host compiler: there they must stop with lockstep's own "compile it with nvcc" sentence, which
-# this script checks. transport/mpi.hpp is compiled with the flags `mpicxx --showme:compile` prints
+# this script checks. The MPI transports (mpi.hpp, mpi_p2p.hpp, routed.hpp) are compiled with the flags `mpicxx --showme:compile` prints
 # (skipped under a compiler when that fails). Exit 0 when everything behaved, 1 otherwise.
 set -u
 inc=$1 cxx=$2 nvcc=$3 arch=${4:-80}
@@ -22,7 +22,7 @@ cd "$inc" || exit 1
 for h in $(find lockstep -name '*.hpp' | sort); do
   count=$((count + 1))
   extra=""
-  case $h in lockstep/transport/mpi.hpp) [ -n "$mpi_flags" ] || { echo "skip  $h (no mpicxx)"; continue; }; extra=$mpi_flags ;; esac
+  case $h in lockstep/transport/mpi.hpp|lockstep/transport/mpi_p2p.hpp|lockstep/transport/routed.hpp) [ -n "$mpi_flags" ] || { echo "skip  $h (no mpicxx)"; continue; }; extra=$mpi_flags ;; esac
   printf '#include <%s>\n#include <%s>\n' "$h" "$h" > "$work/one.cpp"   # twice: include guards work
   cp "$work/one.cpp" "$work/one.cu"
 
