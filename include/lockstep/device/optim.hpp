@@ -28,6 +28,7 @@
 
 #include "../codec/bf16.hpp"
 #include "../optim/concept.hpp"
+#include "../optim/param_layout.hpp"
 #include "../optim/param_set.hpp"
 
 namespace lockstep::device {
@@ -36,37 +37,17 @@ struct optim_policy {
   static constexpr int block_threads = 256;  // a param_set block of 4096 values: 16 per thread
 };
 
-// The param_set's tensors and blocks in device memory.  // (tensor), (block)
+// The param_set's tensors and blocks in device memory (optim/param_layout.hpp).  // (tensor), (block)
 class param_table {
  public:
-  struct tensor {
-    std::size_t offset, size;
-    std::uint32_t first_block, blocks;
-    bool exempt;
-  };
-  struct block {
-    std::size_t lo, hi;  // buffer elements
-    std::uint32_t tensor;
-  };
+  using tensor = optim::param_layout::tensor;
+  using block = optim::param_layout::block;
 
   param_table(const optim::param_set& ps, cudaStream_t s) : ps_(&ps) {
-    std::vector<tensor> ts;
-    std::vector<block> bs;
-    for (std::size_t t = 0; t < ps.tensor_count(); ++t) {
-      ts.push_back({ps[t].offset, ps[t].size, static_cast<std::uint32_t>(ps.first_block(t)),
-                    static_cast<std::uint32_t>(ps.block_count(t)), ps[t].exempt});
-      for (std::size_t b = 0; b < ps.block_count(t); ++b) {
-        const auto [lo, hi] = ps.block_range(t, b);
-        bs.push_back({lo, hi, static_cast<std::uint32_t>(t)});
-      }
-    }
-    tensors_ = buffer<tensor>(ts.size(), s);
-    blocks_ = buffer<block>(bs.size(), s);
-    sums_ = buffer<optim::tensor_sums>(bs.size(), s);
-    // Pageable copies are staged by the driver before cudaMemcpyAsync returns, so the vectors
-    // may go out of scope; this is set-up, done once per param_set.
-    check(cudaMemcpyAsync(tensors_.data(), ts.data(), ts.size() * sizeof(tensor), cudaMemcpyHostToDevice, s), "param_table");
-    check(cudaMemcpyAsync(blocks_.data(), bs.data(), bs.size() * sizeof(block), cudaMemcpyHostToDevice, s), "param_table");
+    const optim::param_layout l(ps);
+    tensors_ = upload(l.tensors, s);
+    blocks_ = upload(l.blocks, s);
+    sums_ = buffer<optim::tensor_sums>(l.blocks.size(), s);
   }
 
   const optim::param_set& params() const noexcept { return *ps_; }
@@ -90,6 +71,15 @@ class param_table {
   buffer<block> blocks_;
   buffer<optim::tensor_sums> sums_;
   buffer<std::byte> coeffs_;
+
+  // Pageable copies are staged by the driver before cudaMemcpyAsync returns, so the vectors
+  // may go out of scope; this is set-up, done once per param_set.
+  template <class T>
+  static buffer<T> upload(const std::vector<T>& v, cudaStream_t s) {
+    buffer<T> d(v.size(), s);
+    check(cudaMemcpyAsync(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s), "param_table");
+    return d;
+  }
 };
 
 namespace kernels {
