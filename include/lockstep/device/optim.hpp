@@ -114,12 +114,18 @@ optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_tab
   }
 }
 
+// Tensor first + i: its block sums added in block order (when have_sums), then o.coefficients.
 template <class O>
-__global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ tensors, std::size_t first,
-                                   std::size_t ntensors, const optim::tensor_sums* __restrict__ sums, bool have_sums,
-                                   optim::step_context ctx, typename O::coeffs* __restrict__ out) {
-  for (std::size_t t = first + blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; t < first + ntensors;
-       t += std::size_t(gridDim.x) * blockDim.x) {
+struct optim_coefficients {
+  O o;
+  const param_table::tensor* __restrict__ tensors;
+  std::size_t first;
+  const optim::tensor_sums* __restrict__ sums;
+  bool have_sums;
+  optim::step_context ctx;
+  typename O::coeffs* __restrict__ out;
+  __device__ void operator()(std::size_t i) const {
+    const std::size_t t = first + i;
     const param_table::tensor ts = tensors[t];
     optim::tensor_sums s;
     if (have_sums)
@@ -130,7 +136,7 @@ __global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ 
       }
     out[t] = o.coefficients(ctx, s, ts.exempt);
   }
-}
+};
 
 template <class O, int Threads>
 __global__ void __launch_bounds__(Threads)
@@ -174,10 +180,8 @@ void enqueue_coefficients(const O& o, param_table& table, optim::step_context ct
         o, table.tensors(), table.blocks(), b0, b1 - b0, w, g, ctx.grad_scale, table.sums());
     check_launch("optimizer sums");
   }
-  auto* k = table.coeffs<typename O::coeffs>(s);
-  kernels::optim_coefficients<O><<<static_cast<unsigned>((t1 - t0 + 127) / 128), 128, 0, s>>>(
-      o, table.tensors(), t0, t1 - t0, table.sums(), sums, ctx, k);
-  check_launch("optimizer coefficients");
+  const kernels::optim_coefficients<O> f{o, table.tensors(), t0, table.sums(), sums, ctx, table.coeffs<typename O::coeffs>(s)};
+  for_each_index(t1 - t0, f, s, "optimizer coefficients");
 }
 
 // The update of blocks [b0, b1), restricted to elements [lo, hi).
