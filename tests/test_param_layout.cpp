@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <random>
+#include <utility>
 #include <vector>
 
 #include <lockstep/optim/param_layout.hpp>
@@ -64,6 +65,26 @@ TEST_CASE("param_layout agrees with the param_set's accessors", "[param_layout]"
     CHECK(covered == d.offset + d.size);
     next += d.blocks;
   }
+}
+
+TEST_CASE("blocks_of names the blocks of a run of tensors", "[param_layout]") {
+  const std::vector<std::size_t> sizes{5, 16, 17, 1, 100};
+  const auto ps = optim::param_set::packed(sizes, {}, 16, {.block = 8});  // blocks 1, 2, 3, 1, 13
+  using range = std::pair<std::size_t, std::size_t>;
+  CHECK(optim::blocks_of(ps, 0, 5) == range{0, 20});
+  CHECK(optim::blocks_of(ps, 0, 1) == range{0, 1});
+  CHECK(optim::blocks_of(ps, 2, 4) == range{3, 7});
+  CHECK(optim::blocks_of(ps, 4, 5) == range{7, 20});
+  CHECK(optim::blocks_of(ps, 3, 3) == range{0, 0});
+  CHECK(optim::blocks_of(ps, 4, 2) == range{0, 0});
+  const optim::param_layout l(ps);
+  for (std::size_t a = 0; a < ps.tensor_count(); ++a)
+    for (std::size_t b = a + 1; b <= ps.tensor_count(); ++b) {
+      const auto [first, last] = optim::blocks_of(ps, a, b);
+      CHECK(l.blocks[first].tensor == a);
+      CHECK(l.blocks[last - 1].tensor == b - 1);
+      CHECK((last == l.blocks.size() || l.blocks[last].tensor == b));
+    }
 }
 
 TEST_CASE("param_layout of an empty param_set is empty", "[param_layout]") {

@@ -49,8 +49,7 @@ inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
 namespace kernels {
 // f(i) for every i < n, grid-stride. F is a plain struct (pointers and scalars) whose __device__
-// operator()(std::size_t) is one element's work: the elementwise codecs, the average, the
-// optimizer's per-tensor coefficients.
+// operator()(std::size_t) is one element's work: the elementwise codecs', the average's.
 template <class F>
 __global__ void elementwise(F f, std::size_t n) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)

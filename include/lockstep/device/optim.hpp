@@ -114,18 +114,12 @@ optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_tab
   }
 }
 
-// Tensor first + i: its block sums added in block order (when have_sums), then o.coefficients.
 template <class O>
-struct optim_coefficients {
-  O o;
-  const param_table::tensor* __restrict__ tensors;
-  std::size_t first;
-  const optim::tensor_sums* __restrict__ sums;
-  bool have_sums;
-  optim::step_context ctx;
-  typename O::coeffs* __restrict__ out;
-  __device__ void operator()(std::size_t i) const {
-    const std::size_t t = first + i;
+__global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ tensors, std::size_t first,
+                                   std::size_t ntensors, const optim::tensor_sums* __restrict__ sums, bool have_sums,
+                                   optim::step_context ctx, typename O::coeffs* __restrict__ out) {
+  for (std::size_t t = first + blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; t < first + ntensors;
+       t += std::size_t(gridDim.x) * blockDim.x) {
     const param_table::tensor ts = tensors[t];
     optim::tensor_sums s;
     if (have_sums)
@@ -136,7 +130,7 @@ struct optim_coefficients {
       }
     out[t] = o.coefficients(ctx, s, ts.exempt);
   }
-};
+}
 
 template <class O, int Threads>
 __global__ void __launch_bounds__(Threads)
@@ -168,27 +162,30 @@ inline void check_momentum(const auto& o, const float* v, const char* op) {
     throw error(errc::invalid_argument, op, -1, -1, "the optimizer uses momentum but no buffer was given");
 }
 
-// Sums (when `sums`) and coefficients of tensors [t0, t1), whose blocks are [b0, b1).
+// Sums (when `sums`) and coefficients of tensors [t0, t1).
 template <class O>
 void enqueue_coefficients(const O& o, param_table& table, optim::step_context ctx, bool sums, std::size_t t0,
-                          std::size_t t1, std::size_t b0, std::size_t b1, const float* w, const float* g,
-                          cudaStream_t s) {
+                          std::size_t t1, const float* w, const float* g, cudaStream_t s) {
   using P = optim_policy;
   if (t1 <= t0) return;
+  const auto [b0, b1] = optim::blocks_of(table.params(), t0, t1);
   if (sums && b1 > b0) {
     kernels::optim_sums<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
         o, table.tensors(), table.blocks(), b0, b1 - b0, w, g, ctx.grad_scale, table.sums());
     check_launch("optimizer sums");
   }
-  const kernels::optim_coefficients<O> f{o, table.tensors(), t0, table.sums(), sums, ctx, table.coeffs<typename O::coeffs>(s)};
-  for_each_index(t1 - t0, f, s, "optimizer coefficients");
+  auto* k = table.coeffs<typename O::coeffs>(s);
+  kernels::optim_coefficients<O><<<static_cast<unsigned>((t1 - t0 + 127) / 128), 128, 0, s>>>(
+      o, table.tensors(), t0, t1 - t0, table.sums(), sums, ctx, k);
+  check_launch("optimizer coefficients");
 }
 
-// The update of blocks [b0, b1), restricted to elements [lo, hi).
+// The update of tensors [t0, t1), restricted to elements [lo, hi).
 template <class O>
-void enqueue_update(const O& o, param_table& table, std::size_t b0, std::size_t b1, std::size_t lo, std::size_t hi,
+void enqueue_update(const O& o, param_table& table, std::size_t t0, std::size_t t1, std::size_t lo, std::size_t hi,
                     float* w, const float* g, float* v, std::uint16_t* w_bf16, cudaStream_t s) {
   using P = optim_policy;
+  const auto [b0, b1] = optim::blocks_of(table.params(), t0, t1);
   if (b1 <= b0 || hi <= lo) return;
   kernels::optim_update<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
       table.blocks(), b0, b1 - b0, lo, hi, table.coeffs<typename O::coeffs>(s), w, g, o.uses_momentum() ? v : nullptr,
@@ -206,10 +203,8 @@ void update_async(const O& o, param_table& table, optim::step_context ctx, float
                   cudaStream_t s, std::uint16_t* w_bf16 = nullptr) {
   const auto& ps = table.params();
   detail::check_momentum(o, v, (std::string(O::name()) + " update").c_str());
-  const std::size_t nb = table.block_count(), nt = table.tensor_count();
-  if (!nt) return;
-  detail::enqueue_coefficients(o, table, ctx, optim::needs_any_sums(o, ps), 0, nt, 0, nb, w, g, s);
-  detail::enqueue_update(o, table, 0, nb, 0, ps.size(), w, g, v, w_bf16, s);
+  detail::enqueue_coefficients(o, table, ctx, optim::needs_any_sums(o, ps), 0, ps.tensor_count(), w, g, s);
+  detail::enqueue_update(o, table, 0, ps.tensor_count(), 0, ps.size(), w, g, v, w_bf16, s);
 }
 
 }  // namespace lockstep::device

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "param_set.hpp"
@@ -45,5 +46,12 @@ struct param_layout {
   std::vector<tensor> tensors;  // (tensor)
   std::vector<block> blocks;    // (block)
 };
+
+// The blocks of tensors [a, b) of ps, as block indices [first, last): a kernel over exactly those
+// tensors walks blocks[first .. last). Empty when a >= b.
+inline std::pair<std::size_t, std::size_t> blocks_of(const param_set& ps, std::size_t a, std::size_t b) noexcept {
+  if (a >= b) return {0, 0};
+  return {ps.first_block(a), ps.first_block(b - 1) + ps.block_count(b - 1)};
+}
 
 }  // namespace lockstep::optim
