@@ -43,8 +43,7 @@ namespace kernels {
 
 // ---- elementwise codecs: fp32, bf16 -------------------------------------------------------------
 
-// One wire element per value: W::encode is a value's code, W::value a code's value; *_op name the
-// launches.
+// One wire element per value: W::encode is a value's code, W::value a code's value.
 struct fp32_wire {
   using code = float;
   static constexpr const char *encode_op = "fp32 encode", *decode_op = "fp32 decode", *decode_add_op = "fp32 decode_add";
@@ -58,7 +57,7 @@ struct bf16_wire {
   __device__ static float value(std::uint16_t h) { return __uint_as_float(codec::bf16_to_bits(h)); }
 };
 
-// out[i] <- code of v; with a residual (else null), v = x + r and r <- v - value(code), the host's.
+// out[i] <- code of v, v = x[i]; with a residual (else null) v = x + r and r <- v - value(code).
 template <class W>
 struct encode_elements {
   const float* __restrict__ x;
@@ -159,8 +158,7 @@ blockwise_decode(const float* __restrict__ scales, const std::uint8_t* __restric
 
 // ---- dispatch ------------------------------------------------------------------------------------
 
-// fp32 and bf16: the elementwise kernels over W; an identity codec's plain encode and decode are
-// copies.
+// fp32 and bf16: elementwise kernels over W; an identity codec's plain encode and decode copy.
 template <class C, class W>
 struct elementwise_codec_kernels {
   static void encode(const C&, const float* x, std::size_t n, std::byte* out, float* residual, cudaStream_t s) {
