@@ -43,38 +43,45 @@ namespace kernels {
 
 // ---- elementwise codecs: fp32, bf16 -------------------------------------------------------------
 
-// residual may be null (no error feedback).
-static __global__ void fp32_encode_feedback(const float* __restrict__ x, float* __restrict__ residual,
-                                            std::size_t n, float* __restrict__ out) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
-    const float v = __fadd_rn(x[i], residual[i]);
-    out[i] = v;
-    residual[i] = __fsub_rn(v, v);  // the host's v - decoded: the residual of an exact codec
-  }
-}
+// One wire element per value: W::encode is a value's code, W::value a code's value.
+struct fp32_wire {
+  using code = float;
+  static constexpr const char *encode_op = "fp32 encode", *decode_op = "fp32 decode", *decode_add_op = "fp32 decode_add";
+  __device__ static float encode(float v) { return v; }
+  __device__ static float value(float c) { return c; }  // so the residual is v - v: an exact codec's
+};
+struct bf16_wire {
+  using code = std::uint16_t;
+  static constexpr const char *encode_op = "bf16 encode", *decode_op = "bf16 decode", *decode_add_op = "bf16 decode";
+  __device__ static std::uint16_t encode(float v) { return codec::bf16_from_bits(__float_as_uint(v)); }
+  __device__ static float value(std::uint16_t h) { return __uint_as_float(codec::bf16_to_bits(h)); }
+};
 
-static __global__ void fp32_decode_add(const float* __restrict__ in, std::size_t n, float* __restrict__ acc) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
-    acc[i] = __fadd_rn(acc[i], in[i]);
-}
-
-static __global__ void bf16_encode(const float* __restrict__ x, float* __restrict__ residual, std::size_t n,
-                                   std::uint16_t* __restrict__ out) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
+// out[i] <- code of v, v = x[i]; with a residual (else null) v = x + r and r <- v - value(code).
+template <class W>
+struct encode_elements {
+  const float* __restrict__ x;
+  float* __restrict__ residual;
+  typename W::code* __restrict__ out;
+  __device__ void operator()(std::size_t i) const {
     const float v = residual ? __fadd_rn(x[i], residual[i]) : x[i];
-    const std::uint16_t h = codec::bf16_from_bits(__float_as_uint(v));
-    out[i] = h;
-    if (residual) residual[i] = __fsub_rn(v, __uint_as_float(codec::bf16_to_bits(h)));
+    const typename W::code c = W::encode(v);
+    out[i] = c;
+    if (residual) residual[i] = __fsub_rn(v, W::value(c));
   }
-}
+};
 
-template <bool Add>
-static __global__ void bf16_decode(const std::uint16_t* __restrict__ in, std::size_t n, float* __restrict__ out) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
-    const float v = __uint_as_float(codec::bf16_to_bits(in[i]));
-    out[i] = Add ? __fadd_rn(out[i], v) : v;
+// out[i] <- value(in[i]), or out[i] += it when `add`.
+template <class W>
+struct decode_elements {
+  const typename W::code* __restrict__ in;
+  float* __restrict__ out;
+  bool add;
+  __device__ void operator()(std::size_t i) const {
+    const float v = W::value(in[i]);
+    out[i] = add ? __fadd_rn(out[i], v) : v;
   }
-}
+};
 
 // ---- blockwise codecs: one fp32 absmax scale per block of values --------------------------------
 
@@ -151,47 +158,29 @@ blockwise_decode(const float* __restrict__ scales, const std::uint8_t* __restric
 
 // ---- dispatch ------------------------------------------------------------------------------------
 
-template <>
-struct codec_kernels<codec::fp32> {
-  static void encode(const codec::fp32&, const float* x, std::size_t n, std::byte* out, float* residual, cudaStream_t s) {
-    if (!n) return;
-    if (!residual) {
-      check(cudaMemcpyAsync(out, x, n * sizeof(float), cudaMemcpyDeviceToDevice, s), "fp32 encode");
+// fp32 and bf16: elementwise kernels over W; an identity codec's plain encode and decode copy.
+template <class C, class W>
+struct elementwise_codec_kernels {
+  static void encode(const C&, const float* x, std::size_t n, std::byte* out, float* residual, cudaStream_t s) {
+    if (C::identity && !residual) {
+      if (n) check(cudaMemcpyAsync(out, x, n * sizeof(float), cudaMemcpyDeviceToDevice, s), W::encode_op);
       return;
     }
-    kernels::fp32_encode_feedback<<<grid_for((n + 255) / 256, elementwise_policy::blocks_per_sm), elementwise_policy::block_threads, 0, s>>>(
-        x, residual, n, reinterpret_cast<float*>(out));
-    check_launch("fp32 encode");
+    for_each_index(n, kernels::encode_elements<W>{x, residual, reinterpret_cast<typename W::code*>(out)}, s, W::encode_op);
   }
-  static void decode(const codec::fp32&, const std::byte* in, std::size_t n, float* out, bool add, cudaStream_t s) {
-    if (!n) return;
-    if (!add) {
-      check(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDeviceToDevice, s), "fp32 decode");
+  static void decode(const C&, const std::byte* in, std::size_t n, float* out, bool add, cudaStream_t s) {
+    if (C::identity && !add) {
+      if (n) check(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDeviceToDevice, s), W::decode_op);
       return;
     }
-    kernels::fp32_decode_add<<<grid_for((n + 255) / 256, elementwise_policy::blocks_per_sm), elementwise_policy::block_threads, 0, s>>>(
-        reinterpret_cast<const float*>(in), n, out);
-    check_launch("fp32 decode_add");
+    const auto* codes = reinterpret_cast<const typename W::code*>(in);
+    for_each_index(n, kernels::decode_elements<W>{codes, out, add}, s, add ? W::decode_add_op : W::decode_op);
   }
 };
-
 template <>
-struct codec_kernels<codec::bf16> {
-  static void encode(const codec::bf16&, const float* x, std::size_t n, std::byte* out, float* residual, cudaStream_t s) {
-    if (!n) return;
-    kernels::bf16_encode<<<grid_for((n + 255) / 256, elementwise_policy::blocks_per_sm), elementwise_policy::block_threads, 0, s>>>(
-        x, residual, n, reinterpret_cast<std::uint16_t*>(out));
-    check_launch("bf16 encode");
-  }
-  static void decode(const codec::bf16&, const std::byte* in, std::size_t n, float* out, bool add, cudaStream_t s) {
-    if (!n) return;
-    const unsigned grid = grid_for((n + 255) / 256, elementwise_policy::blocks_per_sm);
-    const auto* h = reinterpret_cast<const std::uint16_t*>(in);
-    if (add) kernels::bf16_decode<true><<<grid, elementwise_policy::block_threads, 0, s>>>(h, n, out);
-    else kernels::bf16_decode<false><<<grid, elementwise_policy::block_threads, 0, s>>>(h, n, out);
-    check_launch("bf16 decode");
-  }
-};
+struct codec_kernels<codec::fp32> : elementwise_codec_kernels<codec::fp32, kernels::fp32_wire> {};
+template <>
+struct codec_kernels<codec::bf16> : elementwise_codec_kernels<codec::bf16, kernels::bf16_wire> {};
 
 template <class Format>
 struct codec_kernels<codec::blockwise<Format>> {

@@ -47,4 +47,23 @@ inline unsigned grid_for(std::size_t work_items, int per_sm) {
 
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
+namespace kernels {
+// f(i) for every i < n, grid-stride. F is a plain struct (pointers and scalars) whose __device__
+// operator()(std::size_t) is one element's work: the elementwise codecs', the average's.
+template <class F>
+__global__ void elementwise(F f, std::size_t n) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
+    f(i);
+}
+}  // namespace kernels
+
+// Enqueues f(0) .. f(n - 1) on s; `what` names the launch in a failure.
+template <class F>
+void for_each_index(std::size_t n, const F& f, cudaStream_t s, const char* what) {
+  using P = elementwise_policy;
+  if (!n) return;
+  kernels::elementwise<<<grid_for((n + P::block_threads - 1) / P::block_threads, P::blocks_per_sm), P::block_threads, 0, s>>>(f, n);
+  check_launch(what);
+}
+
 }  // namespace lockstep::device

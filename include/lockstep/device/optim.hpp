@@ -28,6 +28,7 @@
 
 #include "../codec/bf16.hpp"
 #include "../optim/concept.hpp"
+#include "../optim/param_layout.hpp"
 #include "../optim/param_set.hpp"
 
 namespace lockstep::device {
@@ -36,37 +37,17 @@ struct optim_policy {
   static constexpr int block_threads = 256;  // a param_set block of 4096 values: 16 per thread
 };
 
-// The param_set's tensors and blocks in device memory.  // (tensor), (block)
+// The param_set's tensors and blocks in device memory (optim/param_layout.hpp).  // (tensor), (block)
 class param_table {
  public:
-  struct tensor {
-    std::size_t offset, size;
-    std::uint32_t first_block, blocks;
-    bool exempt;
-  };
-  struct block {
-    std::size_t lo, hi;  // buffer elements
-    std::uint32_t tensor;
-  };
+  using tensor = optim::param_layout::tensor;
+  using block = optim::param_layout::block;
 
   param_table(const optim::param_set& ps, cudaStream_t s) : ps_(&ps) {
-    std::vector<tensor> ts;
-    std::vector<block> bs;
-    for (std::size_t t = 0; t < ps.tensor_count(); ++t) {
-      ts.push_back({ps[t].offset, ps[t].size, static_cast<std::uint32_t>(ps.first_block(t)),
-                    static_cast<std::uint32_t>(ps.block_count(t)), ps[t].exempt});
-      for (std::size_t b = 0; b < ps.block_count(t); ++b) {
-        const auto [lo, hi] = ps.block_range(t, b);
-        bs.push_back({lo, hi, static_cast<std::uint32_t>(t)});
-      }
-    }
-    tensors_ = buffer<tensor>(ts.size(), s);
-    blocks_ = buffer<block>(bs.size(), s);
-    sums_ = buffer<optim::tensor_sums>(bs.size(), s);
-    // Pageable copies are staged by the driver before cudaMemcpyAsync returns, so the vectors
-    // may go out of scope; this is set-up, done once per param_set.
-    check(cudaMemcpyAsync(tensors_.data(), ts.data(), ts.size() * sizeof(tensor), cudaMemcpyHostToDevice, s), "param_table");
-    check(cudaMemcpyAsync(blocks_.data(), bs.data(), bs.size() * sizeof(block), cudaMemcpyHostToDevice, s), "param_table");
+    const optim::param_layout l(ps);
+    tensors_ = upload(l.tensors, s);
+    blocks_ = upload(l.blocks, s);
+    sums_ = buffer<optim::tensor_sums>(l.blocks.size(), s);
   }
 
   const optim::param_set& params() const noexcept { return *ps_; }
@@ -90,6 +71,15 @@ class param_table {
   buffer<block> blocks_;
   buffer<optim::tensor_sums> sums_;
   buffer<std::byte> coeffs_;
+
+  // Pageable copies are staged by the driver before cudaMemcpyAsync returns, so the vectors
+  // may go out of scope; this is set-up, done once per param_set.
+  template <class T>
+  static buffer<T> upload(const std::vector<T>& v, cudaStream_t s) {
+    buffer<T> d(v.size(), s);
+    check(cudaMemcpyAsync(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s), "param_table");
+    return d;
+  }
 };
 
 namespace kernels {
@@ -172,13 +162,13 @@ inline void check_momentum(const auto& o, const float* v, const char* op) {
     throw error(errc::invalid_argument, op, -1, -1, "the optimizer uses momentum but no buffer was given");
 }
 
-// Sums (when `sums`) and coefficients of tensors [t0, t1), whose blocks are [b0, b1).
+// Sums (when `sums`) and coefficients of tensors [t0, t1).
 template <class O>
 void enqueue_coefficients(const O& o, param_table& table, optim::step_context ctx, bool sums, std::size_t t0,
-                          std::size_t t1, std::size_t b0, std::size_t b1, const float* w, const float* g,
-                          cudaStream_t s) {
+                          std::size_t t1, const float* w, const float* g, cudaStream_t s) {
   using P = optim_policy;
   if (t1 <= t0) return;
+  const auto [b0, b1] = optim::blocks_of(table.params(), t0, t1);
   if (sums && b1 > b0) {
     kernels::optim_sums<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
         o, table.tensors(), table.blocks(), b0, b1 - b0, w, g, ctx.grad_scale, table.sums());
@@ -190,11 +180,12 @@ void enqueue_coefficients(const O& o, param_table& table, optim::step_context ct
   check_launch("optimizer coefficients");
 }
 
-// The update of blocks [b0, b1), restricted to elements [lo, hi).
+// The update of tensors [t0, t1), restricted to elements [lo, hi).
 template <class O>
-void enqueue_update(const O& o, param_table& table, std::size_t b0, std::size_t b1, std::size_t lo, std::size_t hi,
+void enqueue_update(const O& o, param_table& table, std::size_t t0, std::size_t t1, std::size_t lo, std::size_t hi,
                     float* w, const float* g, float* v, std::uint16_t* w_bf16, cudaStream_t s) {
   using P = optim_policy;
+  const auto [b0, b1] = optim::blocks_of(table.params(), t0, t1);
   if (b1 <= b0 || hi <= lo) return;
   kernels::optim_update<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
       table.blocks(), b0, b1 - b0, lo, hi, table.coeffs<typename O::coeffs>(s), w, g, o.uses_momentum() ? v : nullptr,
@@ -212,10 +203,8 @@ void update_async(const O& o, param_table& table, optim::step_context ctx, float
                   cudaStream_t s, std::uint16_t* w_bf16 = nullptr) {
   const auto& ps = table.params();
   detail::check_momentum(o, v, (std::string(O::name()) + " update").c_str());
-  const std::size_t nb = table.block_count(), nt = table.tensor_count();
-  if (!nt) return;
-  detail::enqueue_coefficients(o, table, ctx, optim::needs_any_sums(o, ps), 0, nt, 0, nb, w, g, s);
-  detail::enqueue_update(o, table, 0, nb, 0, ps.size(), w, g, v, w_bf16, s);
+  detail::enqueue_coefficients(o, table, ctx, optim::needs_any_sums(o, ps), 0, ps.tensor_count(), w, g, s);
+  detail::enqueue_update(o, table, 0, ps.tensor_count(), 0, ps.size(), w, g, v, w_bf16, s);
 }
 
 }  // namespace lockstep::device

@@ -22,11 +22,12 @@
 namespace lockstep::device {
 
 namespace kernels {
-// x /= divisor, rounded as the host's `x[i] /= float(size)`.
-static __global__ void divide(float* __restrict__ x, std::size_t n, float divisor) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
-    x[i] = __fdiv_rn(x[i], divisor);
-}
+// x[i] /= divisor, rounded as the host's `x[i] /= float(size)`.
+struct divide_elements {
+  float* __restrict__ x;
+  float divisor;
+  __device__ void operator()(std::size_t i) const { x[i] = __fdiv_rn(x[i], divisor); }
+};
 }  // namespace kernels
 
 class cuda_space {
@@ -58,12 +59,7 @@ class cuda_space {
   void zero(void* dst, std::size_t bytes) const {
     if (bytes) check(cudaMemsetAsync(dst, 0, bytes, s_), "cuda_space zero");
   }
-  void divide(float* x, std::size_t n, float by) const {
-    if (!n) return;
-    kernels::divide<<<grid_for((n + 255) / 256, elementwise_policy::blocks_per_sm), elementwise_policy::block_threads, 0, s_>>>(
-        x, n, by);
-    check_launch("average");
-  }
+  void divide(float* x, std::size_t n, float by) const { for_each_index(n, kernels::divide_elements{x, by}, s_, "average"); }
   memory allocate(std::size_t bytes) const { return memory(bytes, s_); }
 
   void record(event& e) const { e.record(s_); }

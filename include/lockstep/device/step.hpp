@@ -62,8 +62,7 @@ class engine {
     detail::check_momentum(p.opt, p.momentum, "device::step");
     // Coefficients of an optimizer without norms depend on lr only: once, ahead of the all-reduces.
     if (!norms_)
-      detail::enqueue_coefficients(p.opt, p.table, ctx_, false, 0, p.table.tensor_count(), 0, p.table.block_count(),
-                                   p.weights.data(), p.grads.data(), stream());
+      detail::enqueue_coefficients(p.opt, p.table, ctx_, false, 0, ps_.tensor_count(), p.weights.data(), p.grads.data(), stream());
   }
   const optim::param_set& params() const noexcept { return ps_; }
   bool norms() const noexcept { return norms_; }
@@ -73,21 +72,19 @@ class engine {
   std::span<float> grads() const noexcept { return p_.grads; }
   void range(std::size_t lo, std::size_t hi) {
     const auto [a, b] = ps_.tensors_in(lo, hi);  // the blocks that hold [lo, hi): those of its tensors
-    if (a < b) update(a, b, lo, hi);
+    update(a, b, lo, hi);
   }
   void tensors(std::size_t a, std::size_t b) {
-    detail::enqueue_coefficients(p_.opt, p_.table, ctx_, true, a, b, ps_.first_block(a), last_block(b), p_.weights.data(),
-                                 p_.grads.data(), stream());
+    detail::enqueue_coefficients(p_.opt, p_.table, ctx_, true, a, b, p_.weights.data(), p_.grads.data(), stream());
     update(a, b, ps_[a].offset, ps_[b - 1].offset + ps_[b - 1].size);
   }
   void finish() noexcept {}
 
  private:
   cudaStream_t stream() const noexcept { return stream_; }  // the group's: the epilogues enqueue there
-  std::size_t last_block(std::size_t b) const { return ps_.first_block(b - 1) + ps_.block_count(b - 1); }
   void update(std::size_t a, std::size_t b, std::size_t lo, std::size_t hi) {
-    detail::enqueue_update(p_.opt, p_.table, ps_.first_block(a), last_block(b), lo, hi, p_.weights.data(), p_.grads.data(),
-                           p_.momentum, p_.weights_bf16, stream());
+    detail::enqueue_update(p_.opt, p_.table, a, b, lo, hi, p_.weights.data(), p_.grads.data(), p_.momentum,
+                           p_.weights_bf16, stream());
   }
 
   plan<O> p_;
