@@ -10,18 +10,16 @@
 // reduce step adds from it directly) for the peers of its own node. Set up by the constructor and
 // by split(), collectively; off with mpi_options or LOCKSTEP_MPI_SHM=0 (by-reference sends alone:
 // LOCKSTEP_MPI_CMA=0), and off by itself (shared_memory_note() says why) where the segment cannot
-// be made. Measured on 4 ranks over 2 cores (docs/benchmarks.md, "Shared memory between the ranks
-// of a node"): a ring fp32 all-reduce went from 0.96-1.07x MPI_Allreduce at 1..4 MiB (MPI's own
-// path) to 1.02-1.39x, and takes 0.72-0.80 of the time at 64 MiB.
+// be made. What it gains over MPI's own path is in docs/benchmarks.md, "Shared memory between the
+// ranks of a node".
 //
 // Over TCP (btl tcp), Open MPI sends a message above btl_tcp_eager_limit (64 KiB) by rendezvous:
 // the bulk waits for the receiver's acknowledgement, a round trip per message that, when two
 // ranks exchange (a 2-rank ring, the rows and columns of a 2 x C torus), shares the connection
-// with the receiver's own data. Measured over shaped 1 Gbit/s links (docs/scaling.md,
-// "Rendezvous"), raising the limit above one segment (--mca btl_tcp_eager_limit 1100000 --mca
-// btl_tcp_rndv_eager_limit 1100000 --mca btl_tcp_max_send_size 1100000 for the default 1 MiB
-// segment) made the 2x2 torus 1.4-1.7x and the 8-bit ring 1.2-1.3x faster at 16 and 64 MiB. It
-// is the job's setting to make, not the library's.
+// with the receiver's own data. Raise the limit above one segment (--mca btl_tcp_eager_limit
+// 1100000 --mca btl_tcp_rndv_eager_limit 1100000 --mca btl_tcp_max_send_size 1100000 for the
+// default 1 MiB segment; docs/scaling.md, "Rendezvous", has what it gains). It is the job's
+// setting to make, not the library's.
 //
 // abort() marks this endpoint failed: later calls on it throw errc::aborted at once, and so do the
 // waits of the peers on its node (through the segment); peers on other nodes find out through
