@@ -34,15 +34,22 @@ using inproc_group = group<transport::inproc>;
 namespace {
 
 // Where the ranks run: host threads doing the work, or host threads enqueueing it on streams.
+// A minute's timeout: a message the matrix never matches (a step-tagged broadcast, say) fails the
+// case with the rank, peer and step instead of waiting out the default five minutes.
+inline group_options matrix_options() {
+  group_options o;
+  o.timeout = std::chrono::seconds(60);
+  return o;
+}
 struct on_host {
   template <class F>
-  static void run(int n, F&& f, group_options opt = {}) {
+  static void run(int n, F&& f, group_options opt = matrix_options()) {
     run_inproc(n, std::forward<F>(f), opt);
   }
 };
 struct on_stream {
   template <class F>
-  static void run(int n, F&& f, group_options opt = {}) {
+  static void run(int n, F&& f, group_options opt = matrix_options()) {
     run_inproc_deferred(n, std::forward<F>(f), opt);
   }
 };
