@@ -132,14 +132,32 @@ class blockwise {
       return;
     }
 #endif
-    // Codes are computed 32 bits wide, then narrowed: a loop that goes from fp32 straight to
-    // bytes does not vectorise with GCC 12, one with equal-width lanes does.
+    quantize_portable(x, n, inv, codes);
+  }
+
+  // quantize_block's loop without hand-written SIMD (the one CUDA translation units and
+  // LOCKSTEP_NO_SIMD builds take; public so that tests compare it with the others). Codes are
+  // computed 32 bits wide, then narrowed: a loop that goes from fp32 straight to bytes does not
+  // vectorise with GCC 12, one with equal-width lanes does. A format whose code() settles a few
+  // values the slow way (Format::estimate, which flags them with Format::near_bit) gets the
+  // vectorisable estimate for all, then code() for the flagged ones.
+  static void quantize_portable(const float* LOCKSTEP_RESTRICT x, std::size_t n, float inv,
+                                std::uint8_t* LOCKSTEP_RESTRICT codes) noexcept {
     constexpr std::size_t tile = 256;
     std::uint32_t wide[tile];
     for (std::size_t lo = 0; lo < n; lo += tile) {
       const std::size_t len = std::min(tile, n - lo);
-      for (std::size_t i = 0; i < len; ++i) wide[i] = Format::code(x[lo + i] * inv);
-      for (std::size_t i = 0; i < len; ++i) codes[lo + i] = static_cast<std::uint8_t>(wide[i]);
+      if constexpr (requires(float v) { Format::estimate(v); }) {
+        std::uint32_t flagged = 0;
+        for (std::size_t i = 0; i < len; ++i) wide[i] = Format::estimate(x[lo + i] * inv);
+        for (std::size_t i = 0; i < len; ++i) codes[lo + i] = static_cast<std::uint8_t>(wide[i]), flagged |= wide[i];
+        if (flagged & Format::near_bit)
+          for (std::size_t i = 0; i < len; ++i)
+            if (wide[i] & Format::near_bit) codes[lo + i] = Format::quantize(x[lo + i] * inv);
+      } else {
+        for (std::size_t i = 0; i < len; ++i) wide[i] = Format::code(x[lo + i] * inv);
+        for (std::size_t i = 0; i < len; ++i) codes[lo + i] = static_cast<std::uint8_t>(wide[i]);
+      }
     }
   }
 
