@@ -6,6 +6,7 @@
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -13,7 +14,7 @@
 #include <type_traits>
 #include <vector>
 
-#if LOCKSTEP_HOST_AVX2
+#if LOCKSTEP_HOST_AVX2 || LOCKSTEP_HOST_AVX512
 #include <immintrin.h>
 #endif
 
@@ -219,6 +220,13 @@ std::size_t dyntree8_path_mismatches(const std::vector<float>& x, const std::vec
     for (std::size_t i = n / 32 * 32; i < n; ++i) v[i] = want[i];
   }
 #endif
+#if LOCKSTEP_HOST_AVX512
+  {
+    auto& v = path("codes64 (AVX-512)");
+    for (std::size_t i = 0; i + 64 <= n; i += 64) _mm512_storeu_si512(v.data() + i, f::codes64(x.data() + i, _mm512_set1_ps(1.0f)));
+    for (std::size_t i = n / 64 * 64; i < n; ++i) v[i] = want[i];
+  }
+#endif
   std::size_t bad = 0;
   for (auto& [name, c] : got)
     for (std::size_t i = 0; i < n; ++i)
@@ -379,14 +387,112 @@ TEMPLATE_TEST_CASE("8-bit block encoders give Format::code's bits for every unit
       codec::blockwise<F>::quantize_block(x.data(), n, 1.0f, got.data());
       for (std::size_t i = 0; i < n; ++i)
         if (got[i] != static_cast<std::uint8_t>(F::code(x[i])) && mismatches++ == 0) first_bad = std::bit_cast<std::uint32_t>(x[i]);
+      // Each hand-written routine this build has, also where quantize_block takes another (the
+      // zero-padded tail as quantize_block pads it).
+      auto direct = [&](auto codes_of, std::size_t w) {
+        std::vector<float> in(w);
+        std::vector<std::uint8_t> out(w);
+        for (std::size_t i = 0; i < n; i += w) {
+          std::fill(in.begin(), in.end(), 0.0f);
+          std::copy(x.begin() + i, x.begin() + std::min(n, i + w), in.begin());
+          codes_of(in.data(), out.data());
+          for (std::size_t j = 0; j < w && i + j < n; ++j)
+            if (out[j] != static_cast<std::uint8_t>(F::code(x[i + j])) && mismatches++ == 0)
+              first_bad = std::bit_cast<std::uint32_t>(x[i + j]);
+        }
+      };
+#if LOCKSTEP_HOST_AVX2
+      direct([](const float* in, std::uint8_t* out) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), F::codes32(in, _mm256_set1_ps(1.0f)));
+      }, 32);
+#endif
+#if LOCKSTEP_HOST_AVX512
+      direct([](const float* in, std::uint8_t* out) { _mm512_storeu_si512(out, F::codes64(in, _mm512_set1_ps(1.0f))); }, 64);
+#endif
+      (void)direct;
     }
-    INFO(F::name << ": first mismatch at bit pattern " << first_bad << " (AVX2 path " << LOCKSTEP_HOST_AVX2 << ")");
+    INFO(F::name << ": first mismatch at bit pattern " << first_bad << " (AVX2 " << LOCKSTEP_HOST_AVX2 << ", AVX-512 "
+                 << LOCKSTEP_HOST_AVX512 << ")");
     CHECK(mismatches == 0);
   };
   sweep(0, 0x3f800010u, 1, 0);                    // every non-negative unit
   sweep(0, 0x3f800010u, 101, 0x80000000u);        // negatives on a stride
   // Every length of the tail that does not fill a turn of 32 (it goes through a padded copy).
   for (std::uint32_t len = 1; len < 64; ++len) sweep(0x3d000000u, 0x3d000000u + len - 1, 1, len % 2 ? 0x80000000u : 0);
+}
+
+TEMPLATE_TEST_CASE("8-bit decoders give table() * scale bit for bit, for every code and odd lengths", "[codec]",
+                   codec::int8, codec::dyntree8) {
+  // decode and decode_add may take a hand-vectorised path (LOCKSTEP_HOST_AVX512: values64);
+  // out = table[code] * scale and acc + table[code] * scale exactly, with tails of every length.
+  const auto& table = TestType::table();
+  for (std::size_t block : {std::size_t{512}, std::size_t{64}, std::size_t{37}, std::size_t{100}}) {
+    TestType c(block);
+    const std::size_t n = 3 * block + 61;
+    std::vector<std::byte> wire(c.wire_bytes(n));
+    const std::size_t nb = c.blocks(n);
+    std::vector<float> scale(nb);
+    for (std::size_t b = 0; b < nb; ++b) scale[b] = std::ldexp(1.2345f + 0.37f * float(b), int(b) - 2);
+    std::memcpy(wire.data(), scale.data(), nb * sizeof(float));
+    for (std::size_t i = 0; i < n; ++i) wire[nb * sizeof(float) + i] = std::byte(static_cast<std::uint8_t>((i * 37 + block) & 0xff));
+    std::vector<float> out(n), acc = normal(n, 17), sum = acc;
+    c.decode(wire.data(), n, out.data());
+    c.decode_add(wire.data(), n, sum.data());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float v = table[std::to_integer<std::uint8_t>(wire[nb * sizeof(float) + i])] * scale[i / block];
+      bad += std::bit_cast<std::uint32_t>(out[i]) != std::bit_cast<std::uint32_t>(v);
+      bad += std::bit_cast<std::uint32_t>(sum[i]) != std::bit_cast<std::uint32_t>(acc[i] + v);
+    }
+    INFO("block " << block);
+    CHECK(bad == 0);
+  }
+}
+
+TEST_CASE("bf16 codec gives bf16_from_bits for every bit pattern on a stride, and decodes every code", "[codec][bf16]") {
+  // The codec's loops may be hand-vectorised (LOCKSTEP_HOST_AVX512); they must give the element
+  // function's bits: every 3rd pattern of all 2^32 (subnormals, ties, NaNs and Infs among them),
+  // and every pattern whose low 16 bits are a tie or next to one; odd lengths for the tails.
+  codec::bf16 c;
+  constexpr std::size_t batch = (1 << 20) + 7;
+  std::vector<float> x(batch);
+  std::vector<std::byte> w(c.wire_bytes(batch));
+  std::size_t bad = 0;
+  std::uint32_t first_bad = 0;
+  auto check = [&](std::size_t n) {
+    c.encode(x.data(), n, w.data());
+    const auto* h = reinterpret_cast<const std::uint16_t*>(w.data());
+    for (std::size_t i = 0; i < n; ++i)
+      if (h[i] != codec::bf16_from_bits(std::bit_cast<std::uint32_t>(x[i])) && bad++ == 0) first_bad = std::bit_cast<std::uint32_t>(x[i]);
+  };
+  std::size_t n = 0;
+  for (std::uint64_t b = 0; b <= 0xffffffffu; b += 3) {
+    x[n++] = std::bit_cast<float>(static_cast<std::uint32_t>(b));
+    if (n == batch) check(n), n = 0;
+  }
+  check(n), n = 0;
+  for (std::uint32_t hi = 0; hi < 0x10000u; ++hi)
+    for (std::uint32_t lo : {0x7fffu, 0x8000u, 0x8001u, 0xffffu, 0x0001u}) {
+      x[n++] = std::bit_cast<float>(hi << 16 | lo);
+      if (n == batch) check(n), n = 0;
+    }
+  check(n);
+  INFO("first mismatch at bits " << first_bad);
+  CHECK(bad == 0);
+  // Decoding: every one of the 65536 codes, into and onto a buffer, with a tail.
+  const std::size_t m = 65536 + 13;
+  std::vector<std::uint16_t> codes(m);
+  for (std::size_t i = 0; i < m; ++i) codes[i] = static_cast<std::uint16_t>(i * 40503u);
+  std::vector<float> out(m), acc = normal(m, 23), sum = acc;
+  c.decode(reinterpret_cast<const std::byte*>(codes.data()), m, out.data());
+  c.decode_add(reinterpret_cast<const std::byte*>(codes.data()), m, sum.data());
+  std::size_t dbad = 0;
+  for (std::size_t i = 0; i < m; ++i) {
+    const float v = std::bit_cast<float>(codec::bf16_to_bits(codes[i]));
+    dbad += std::bit_cast<std::uint32_t>(out[i]) != std::bit_cast<std::uint32_t>(v);
+    dbad += !(std::bit_cast<std::uint32_t>(sum[i]) == std::bit_cast<std::uint32_t>(acc[i] + v) || (std::isnan(sum[i]) && std::isnan(acc[i] + v)));
+  }
+  CHECK(dbad == 0);
 }
 
 TEMPLATE_TEST_CASE("a block whose absmax is below the smallest normal float is sent as zeros", "[codec]",

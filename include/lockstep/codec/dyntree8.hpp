@@ -29,9 +29,8 @@
 #include "../core/config.hpp"
 #include "blockwise.hpp"
 
-#if LOCKSTEP_HOST_AVX2
-#include <immintrin.h>
-#endif
+#include <array>
+#include "simd.hpp"
 
 namespace lockstep::codec {
 
@@ -226,6 +225,96 @@ struct dyntree8_format {
     for (int i = 0; i < 32; ++i)
       if ((bits[i] & 0xffffu) < near_units) out[i] = static_cast<std::uint8_t>(code(x[i] * s));
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
+  }
+#endif
+
+#if LOCKSTEP_HOST_AVX512
+  // codes32 for 64 values in 16-lane registers: the same index c and t (t from a masked
+  // subtract), tables of 16 entries with zero (t = -1 = 15 mod 16) and the top code (t = 7) apart
+  // and so capped in fp32 like the decades; the magnitude is then byte 2 of p'' itself (p'' in
+  // [128, 256): bits 16..22 are its integer part less 128, bit 23 the exponent's lowest, 0), and
+  // the sign byte 3 of u, picked by byte permutes. About 19 operations per 16 values.
+  static __m512i codes64(const float* x, __m512 inv) noexcept {
+    const __m512i edge = _mm512_broadcast_i32x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(edge_bits)));
+    const __m512 slope = table16(0), offset = table16(1), cap = table16(2);
+    __m512i u[4], p[4];
+    __mmask32 near = 0;
+    for (int j = 0; j < 4; ++j) {
+      u[j] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), inv));
+      const __m512i a = _mm512_and_si512(u[j], _mm512_set1_epi32(0x7fffffff));
+      const __m512i step = _mm512_mulhi_epu16(_mm512_subs_epu16(_mm512_srli_epi32(a, 16), _mm512_set1_epi32(13232)),
+                                              _mm512_set1_epi32(162));
+      const __mmask16 below = _mm512_cmpgt_epi32_mask(_mm512_permutexvar_epi32(step, edge), a);
+      const __m512i t = _mm512_mask_sub_epi32(step, below, step, _mm512_set1_epi32(1));
+      const __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_permutexvar_ps(t, slope)),
+                                     _mm512_permutexvar_ps(t, offset));
+      p[j] = _mm512_castps_si512(_mm512_min_ps(q, _mm512_permutexvar_ps(t, cap)));
+      near |= _mm512_cmplt_epu16_mask(p[j], _mm512_set1_epi16(near_units));
+    }
+    const __m512i mag = dword_bytes<2>(p[0], p[1], p[2], p[3]), sign = dword_bytes<3>(u[0], u[1], u[2], u[3]);
+    __m512i codes = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);  // mag | (sign & 0x80)
+    if (near) [[unlikely]] {
+      alignas(64) std::uint32_t bits[64];
+      alignas(64) std::uint8_t out[64];
+      for (int j = 0; j < 4; ++j) _mm512_store_si512(bits + 16 * j, p[j]);
+      _mm512_store_si512(out, codes);
+      const float s = _mm512_cvtss_f32(inv);
+      for (int i = 0; i < 64; ++i)
+        if ((bits[i] & 0xffffu) < near_units) out[i] = static_cast<std::uint8_t>(code(x[i] * s));
+      codes = _mm512_load_si512(out);
+    }
+    return codes;
+  }
+
+  // table(which) with t = 7 the top code alone, t = 15 (-1) zero, and the caps: the middle of a
+  // decade's top bin (126.5 for decade 0, whose top boundary is an edge of its own).
+  static __m512 table16(int which) noexcept {
+    const __m256 lo = table(which);  // entries 0..6 as codes32's; 7 replaced below
+    const __m512 caps = _mm512_setr_ps(129.5f, 131.5f, 135.5f, 143.5f, 159.5f, 191.5f, 254.5f, 255.5f,
+                                       0, 0, 0, 0, 0, 0, 0, 128.5f);
+    if (which == 2) return caps;
+    const __m512 both = _mm512_insertf32x8(_mm512_castps256_ps512(lo), lo, 1);
+    // top: p'' = 255.5 for every |u|; zero: 128.5
+    return which == 0 ? _mm512_mask_mov_ps(both, 0x8080, _mm512_setzero_ps())
+                      : _mm512_mask_mov_ps(both, 0x8080, _mm512_setr_ps(0, 0, 0, 0, 0, 0, 0, 255.5f, 0, 0, 0, 0, 0, 0, 0, 128.5f));
+  }
+
+  // The unit values of 64 codes, table()'s bits: the four bytes of |value| looked up by byte
+  // permutes of two registers (128 entries, the magnitude), the sign put into the top byte (not
+  // for magnitude 0: 0x80 decodes to +0), the bytes interleaved into floats by unpacks, which stay
+  // within 128-bit lanes, so the codes are first permuted into the order that makes them come out
+  // in order.
+  static void values64(const std::uint8_t* c, __m512* v) noexcept {
+    struct planes_t {
+      alignas(64) std::uint8_t b[4][128];
+    };
+    static const planes_t planes = [] {
+      planes_t t{};
+      for (int m = 0; m < 128; ++m) {
+        const std::uint32_t bits = std::bit_cast<std::uint32_t>(magnitude_value(m));
+        for (int j = 0; j < 4; ++j) t.b[j][m] = static_cast<std::uint8_t>(bits >> (8 * j));
+      }
+      return t;
+    }();
+    alignas(64) static constexpr auto order = [] {
+      std::array<std::uint8_t, 64> o{};  // byte 16L + 4j + r of a lane-local unpack holds code 16j + 4L + r
+      for (int l = 0; l < 4; ++l)
+        for (int j = 0; j < 4; ++j)
+          for (int r = 0; r < 4; ++r) o[16 * l + 4 * j + r] = static_cast<std::uint8_t>(16 * j + 4 * l + r);
+      return o;
+    }();
+    const __m512i codes = _mm512_permutexvar_epi8(_mm512_load_si512(order.data()), _mm512_loadu_si512(c));
+    __m512i b[4];
+    for (int j = 0; j < 4; ++j)
+      b[j] = _mm512_permutex2var_epi8(_mm512_load_si512(planes.b[j]), codes, _mm512_load_si512(planes.b[j] + 64));
+    const __m512i sign = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(codes, _mm512_set1_epi8(0x7f)), codes);
+    b[3] = _mm512_ternarylogic_epi32(b[3], sign, _mm512_set1_epi8(static_cast<char>(0x80)), 0x78);  // b3 ^ (sign & 0x80)
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    v[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    v[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    v[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+    v[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
   }
 #endif
 
