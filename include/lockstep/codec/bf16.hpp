@@ -41,12 +41,17 @@ struct bf16 {
     std::uint16_t* LOCKSTEP_RESTRICT h = reinterpret_cast<std::uint16_t*>(out);
     std::size_t i = 0;
 #if LOCKSTEP_HOST_AVX512
-    for (; i < n; i += 32) {
-      const std::size_t len = std::min<std::size_t>(32, n - i);
-      const __mmask32 m = len == 32 ? ~__mmask32(0) : __mmask32((1u << len) - 1);
-      const __m512i r = _mm512_permutex2var_epi16(from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m), in + i)), even_words(),
+    // 32 values per turn, the tail (under 32) by masked loads and stores
+    const __m512i even = even_words();
+    for (; i + 32 <= n; i += 32)
+      _mm512_storeu_si512(h + i, _mm512_permutex2var_epi16(from_bits16(_mm512_loadu_si512(in + i)), even,
+                                                           from_bits16(_mm512_loadu_si512(in + i + 16))));
+    if (i < n) {
+      const __mmask32 m = __mmask32((1u << (n - i)) - 1);
+      const __m512i r = _mm512_permutex2var_epi16(from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m), in + i)), even,
                                                   from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m >> 16), in + i + 16)));
       _mm512_mask_storeu_epi16(h + i, m, r);
+      i = n;
     }
 #endif
     for (; i < n; ++i) h[i] = bf16_from_bits(std::bit_cast<std::uint32_t>(in[i]));
@@ -60,12 +65,18 @@ struct bf16 {
     const std::uint16_t* LOCKSTEP_RESTRICT h = reinterpret_cast<const std::uint16_t*>(in);
     std::size_t i = 0;
 #if LOCKSTEP_HOST_AVX512
-    for (; i < n; i += 16) {
-      const std::size_t len = std::min<std::size_t>(16, n - i);
-      const __mmask16 m = len == 16 ? __mmask16(0xffff) : __mmask16((1u << len) - 1);
+    // 16 values per turn, the tail (under 16) by masked loads and stores
+    for (; i + 16 <= n; i += 16) {
+      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))), 16));
+      if constexpr (Add) v = _mm512_add_ps(_mm512_loadu_ps(out + i), v);
+      _mm512_storeu_ps(out + i, v);
+    }
+    if (i < n) {
+      const __mmask16 m = __mmask16((1u << (n - i)) - 1);
       __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, h + i)), 16));
       if constexpr (Add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + i), v);
       _mm512_mask_storeu_ps(out + i, m, v);
+      i = n;
     }
 #endif
     for (; i < n; ++i) {

@@ -229,11 +229,16 @@ class blockwise {
           __m512 v[4];
           Format::values64(c, v);
           for (std::size_t j = 0; j < 4 && 16 * j < len; ++j) {
-            const __mmask16 m = len - 16 * j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - 16 * j)) - 1);
             float* o = out + i + 16 * j;
             __m512 r = _mm512_mul_ps(v[j], vs);
-            if constexpr (Add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), r);
-            _mm512_mask_storeu_ps(o, m, r);
+            if (len - 16 * j >= 16) {
+              if constexpr (Add) r = _mm512_add_ps(_mm512_loadu_ps(o), r);
+              _mm512_storeu_ps(o, r);
+            } else {
+              const __mmask16 m = __mmask16((1u << (len - 16 * j)) - 1);
+              if constexpr (Add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), r);
+              _mm512_mask_storeu_ps(o, m, r);
+            }
           }
         }
         continue;
