@@ -148,8 +148,8 @@ struct dyntree8_format {
   // an integer, and then exact; the few values that are (8 in 65536, so one call in 250) are
   // recomputed by code(). The table index:
   //   c = (max(|u| >> 16, 13232) - 13232) * 162 >> 16, 0..7: a step function of the top 16 bits of
-  //       |u| (exponent and 7 mantissa bits) that steps up between each two of edge_bits (found by
-  //       search, checked for every 16-bit pattern up to 1 + 2^-6 by tests/test_codec.cpp), so
+  //       |u| (exponent and 7 mantissa bits) that steps up between each two of edge_bits (constants
+  //       found by search; the sweep of every unit value in tests/test_codec.cpp checks them), so
   //       that edge_bits[c] is the one edge that can lie between |u| and its neighbours in the
   //       list; then
   //   t = c - (|u| < edge_bits[c]): 0 = decade 6 (one code, magnitude 1), 1..6 = decades 5..0,
