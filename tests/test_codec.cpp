@@ -2,15 +2,21 @@
 // blocks, decode_add == acc + decode, error feedback. Seeded inputs throughout.
 #include <lockstep/codec.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <vector>
+
+#if LOCKSTEP_HOST_AVX2 || LOCKSTEP_HOST_AVX512
+#include <immintrin.h>
+#endif
 
 using namespace lockstep;
 
@@ -159,11 +165,207 @@ TEST_CASE("dyntree8 puts every unit value within half a bin of its decade", "[co
     int k = 0;
     for (float t : thresholds) k += u < t;
     const std::uint8_t c = f::quantize(u);
-    const double bound = (c == 0x7f ? 0.9 / 64 : half_bin[k]) + std::ldexp(double(u), -20);
+    // The top bin by u, not by its code: the nearest code of u in [1 - 0.9/64, 0.98945) is 0x7e.
+    const double bound = (u >= 1 - 0.9 / 64 ? 0.9 / 64 : half_bin[k]) + std::ldexp(double(u), -20);
     if (std::abs(double(table[c]) - double(u)) > bound && bad++ == 0) first_bad = u;
   }
   INFO("first value outside its bound: " << first_bad);
   CHECK(bad == 0);
+}
+
+namespace {
+
+// dyntree8's boundaries from value() alone: sums[m - 1] = value(m - 1) + value(m) for m = 1..127,
+// exact in double. The nearest magnitude of |u| (ties to the smaller) is the count of sums below
+// 2|u|.
+std::vector<double> dyntree8_sums() {
+  using f = codec::dyntree8_format;
+  std::vector<double> sums;
+  for (int m = 1; m < 128; ++m) sums.push_back(double(f::value(std::uint8_t(m - 1))) + double(f::value(std::uint8_t(m))));
+  return sums;
+}
+std::uint8_t dyntree8_nearest(const std::vector<double>& sums, float u) {
+  const double twice = 2.0 * std::abs(double(u));
+  const auto mag = std::lower_bound(sums.begin(), sums.end(), twice) - sums.begin();
+  return static_cast<std::uint8_t>(mag | (std::signbit(u) ? 0x80 : 0));
+}
+
+// Every dyntree8 encoder path over the units x[0..n): the scalar code() (device kernels use it),
+// its two halves, the block encoder as compiled here and its portable loop, and each hand-written
+// SIMD routine this build has. Returns the number of values where one differs from want.
+std::size_t dyntree8_path_mismatches(const std::vector<float>& x, const std::vector<std::uint8_t>& want, std::string& first) {
+  using f = codec::dyntree8_format;
+  using b = codec::dyntree8;
+  const std::size_t n = x.size();
+  std::vector<std::pair<std::string, std::vector<std::uint8_t>>> got;
+  auto path = [&](std::string name) -> std::vector<std::uint8_t>& { return got.emplace_back(std::move(name), std::vector<std::uint8_t>(n)).second; };
+  {
+    auto& c = path("code");
+    auto& e = path("exact");
+    auto& s = path("estimate where not near");
+    for (std::size_t i = 0; i < n; ++i) {
+      c[i] = f::quantize(x[i]);
+      e[i] = static_cast<std::uint8_t>(f::exact(x[i]));
+      const std::uint32_t est = f::estimate(x[i]);
+      s[i] = (est & f::near_bit) ? want[i] : static_cast<std::uint8_t>(est);
+    }
+  }
+  b::quantize_block(x.data(), n, 1.0f, path("quantize_block").data());
+  b::quantize_portable(x.data(), n, 1.0f, path("quantize_portable").data());
+#if LOCKSTEP_HOST_AVX2
+  {
+    auto& v = path("codes32 (AVX2)");
+    for (std::size_t i = 0; i + 32 <= n; i += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v.data() + i), f::codes32(x.data() + i, _mm256_set1_ps(1.0f)));
+    for (std::size_t i = n / 32 * 32; i < n; ++i) v[i] = want[i];
+  }
+#endif
+#if LOCKSTEP_HOST_AVX512
+  {
+    auto& v = path("codes64 (AVX-512)");
+    for (std::size_t i = 0; i + 64 <= n; i += 64) _mm512_storeu_si512(v.data() + i, f::codes64(x.data() + i, _mm512_set1_ps(1.0f)));
+    for (std::size_t i = n / 64 * 64; i < n; ++i) v[i] = want[i];
+  }
+#endif
+  std::size_t bad = 0;
+  for (auto& [name, c] : got)
+    for (std::size_t i = 0; i < n; ++i)
+      if (c[i] != want[i] && bad++ == 0)
+        first = name + " at bits " + std::to_string(std::bit_cast<std::uint32_t>(x[i])) + ": " + std::to_string(c[i]) +
+                " instead of " + std::to_string(want[i]);
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("dyntree8 takes the nearest code at every boundary, ties to the smaller magnitude", "[codec][dyntree8]") {
+  // For each two adjacent magnitudes m - 1, m: the float just below their midpoint, the midpoint
+  // itself where it is a float (a tie), the float just above, and one more step out on each side,
+  // against a brute-force nearest over all 128 values; and both signs through every path.
+  using f = codec::dyntree8_format;
+  const auto& table = codec::dyntree8::table();
+  auto brute = [&](float u) {
+    int best = 0;
+    for (int c = 1; c < 128; ++c)
+      if (std::abs(double(u) - table[c]) < std::abs(double(u) - table[best])) best = c;  // strict: ties keep the smaller
+    return best;
+  };
+  std::vector<float> probes;
+  std::vector<std::uint8_t> want;
+  std::vector<std::uint32_t> first_above;  // the smallest float taking m, per m = 1..127
+  int ties = 0;
+  for (int m = 1; m < 128; ++m) {
+    const double sum = double(table[m - 1]) + double(table[m]);
+    float below = static_cast<float>(sum / 2);
+    while (2.0 * double(below) >= sum) below = std::nextafter(below, 0.0f);
+    while (2.0 * double(std::nextafter(below, 2.0f)) < sum) below = std::nextafter(below, 2.0f);
+    const float next = std::nextafter(below, 2.0f);
+    const bool tie = 2.0 * double(next) == sum;
+    ties += tie;
+    const float above = tie ? std::nextafter(next, 2.0f) : next;
+    first_above.push_back(std::bit_cast<std::uint32_t>(above));
+    INFO("magnitudes " << m - 1 << " | " << m << ", midpoint " << sum / 2);
+    for (float u : {std::nextafter(below, 0.0f), below}) {
+      CHECK(brute(u) == m - 1);
+      probes.push_back(u), want.push_back(static_cast<std::uint8_t>(m - 1));
+    }
+    if (tie) {
+      CHECK(brute(next) == m - 1);  // the brute force's strict compare keeps the smaller on a tie
+      probes.push_back(next), want.push_back(static_cast<std::uint8_t>(m - 1));
+    }
+    for (float u : {above, std::nextafter(above, 2.0f)}) {
+      CHECK(brute(u) == m);
+      probes.push_back(u), want.push_back(static_cast<std::uint8_t>(m));
+    }
+  }
+  CHECK(ties == 56);  // the tie rule is exercised
+  // The boundaries that are no bin edge, which the encoders compare with directly.
+  const int edge_of[8] = {1, 2, 4, 8, 16, 32, 64, 127};
+  for (int i = 0; i < 8; ++i) CHECK(std::uint32_t(f::edge_bits[i]) == first_above[edge_of[i] - 1]);
+  // The midpoints from the issue: 0.1 takes 0.0986 (0x3f), not 0.1070 (0x40).
+  CHECK(f::quantize(0.1f) == 0x3f);
+  CHECK(f::quantize(0.98f) == 0x7e);
+  CHECK(f::quantize(0.99f) == 0x7f);
+  CHECK(f::quantize(2e-7f) == 0x00);
+  CHECK(f::quantize(-3e-7f) == 0x81);
+  const std::size_t n = probes.size();
+  for (std::size_t i = 0; i < n; ++i) probes.push_back(-probes[i]), want.push_back(want[i] | 0x80);
+  std::string first;
+  CHECK(dyntree8_path_mismatches(probes, want, first) == 0);
+  INFO(first);
+  CHECK(first == "");
+}
+
+TEST_CASE("dyntree8 encodes every unit value to its nearest code", "[codec][dyntree8]") {
+  // Every fp32 pattern from 0 to a little above 1 (the rounding of x / absmax can exceed 1 by an
+  // ulp), in ascending order, so that the reference magnitude only steps up, through the block
+  // encoder as compiled; the sweep below it checks that every path gives the same bits.
+  const auto sums = dyntree8_sums();
+  constexpr std::size_t batch = 1 << 20;
+  std::vector<float> x(batch);
+  std::vector<std::uint8_t> got(batch);
+  std::size_t bad = 0, mag = 0;
+  std::uint32_t first_bad = 0;
+  for (std::uint64_t lo = 0; lo <= 0x3f800010u; lo += batch) {
+    std::size_t n = 0;
+    for (std::uint64_t b = lo; b <= 0x3f800010u && n < batch; ++b) x[n++] = std::bit_cast<float>(static_cast<std::uint32_t>(b));
+    codec::dyntree8::quantize_block(x.data(), n, 1.0f, got.data());
+    for (std::size_t i = 0; i < n; ++i) {
+      while (mag < sums.size() && sums[mag] < 2.0 * double(x[i])) ++mag;
+      if (got[i] != mag && bad++ == 0) first_bad = std::bit_cast<std::uint32_t>(x[i]);
+    }
+  }
+  INFO("first value not at its nearest code: bits " << first_bad);
+  CHECK(bad == 0);
+}
+
+TEST_CASE("dyntree8 encoder paths agree bit for bit on random and adversarial units", "[codec][dyntree8]") {
+  const auto sums = dyntree8_sums();
+  std::mt19937 g(2024);
+  std::vector<float> x;
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f), expo(-9.0f, 0.0f);
+  std::normal_distribution<float> nd;
+  for (int i = 0; i < 200000; ++i) x.push_back(uni(g));
+  for (int i = 0; i < 200000; ++i) x.push_back(std::clamp(nd(g) / 4.0f, -1.0f, 1.0f));
+  for (int i = 0; i < 200000; ++i) x.push_back((g() & 1 ? -1.0f : 1.0f) * std::pow(10.0f, expo(g)));  // every decade
+  // Adversarial: 40 floats around every boundary and every power of ten, in runs, so that whole
+  // turns of the vector encoders go the slow way; and the ends.
+  const auto& table = codec::dyntree8::table();
+  std::vector<float> centres;
+  for (int m = 1; m < 128; ++m) centres.push_back(static_cast<float>((double(table[m - 1]) + double(table[m])) / 2));
+  for (int k = 0; k <= 8; ++k) centres.push_back(static_cast<float>(std::pow(10.0, -k)));
+  for (int m = 0; m < 128; ++m) centres.push_back(table[m]);
+  for (float c : centres) {
+    float v = c;
+    for (int i = 0; i < 20; ++i) v = std::nextafter(v, 0.0f);
+    for (int i = 0; i < 40; ++i, v = std::nextafter(v, 2.0f)) x.push_back(v), x.push_back(-v);
+  }
+  for (float v : {0.0f, -0.0f, 1.0f, -1.0f, std::nextafter(1.0f, 2.0f), -std::nextafter(1.0f, 2.0f), 1e-45f, -1e-45f,
+                  1.17549435e-38f, 1e-30f, std::nextafter(1.0f, 0.0f)})
+    x.push_back(v);
+  std::shuffle(x.begin() + 600000, x.end(), g);  // adversarial values mixed into turns with ordinary ones
+  std::vector<std::uint8_t> want(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) want[i] = dyntree8_nearest(sums, x[i]);
+  std::string first;
+  const std::size_t bad = dyntree8_path_mismatches(x, want, first);
+  INFO(first);
+  CHECK(bad == 0);
+  // The estimate sends few ordinary values the slow way (the encoders' speed depends on it).
+  std::size_t near = 0;
+  for (std::size_t i = 0; i < 600000; ++i) near += (codec::dyntree8_format::estimate(x[i]) & codec::dyntree8_format::near_bit) != 0;
+  INFO(near << " of 600000 flagged");
+  CHECK(near < 600000 / 2000);
+  // Whole blocks with their own scales: the encoded codes are the nearest codes of x * (1 / absmax).
+  codec::dyntree8 c;
+  auto y = normal(5000, 9, 3.0f);
+  std::vector<std::byte> w(c.wire_bytes(y.size()));
+  c.encode(y.data(), y.size(), w.data());
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    const float inv = 1.0f / codec::dyntree8::absmax(y.data() + i / 512 * 512, std::min<std::size_t>(512, y.size() - i / 512 * 512));
+    wrong += std::to_integer<std::uint8_t>(w[c.blocks(y.size()) * 4 + i]) != dyntree8_nearest(sums, y[i] * inv);
+  }
+  CHECK(wrong == 0);
 }
 
 // The block encoder may take a hand-vectorised path (LOCKSTEP_HOST_AVX2: Format::codes32); it must
@@ -185,14 +387,112 @@ TEMPLATE_TEST_CASE("8-bit block encoders give Format::code's bits for every unit
       codec::blockwise<F>::quantize_block(x.data(), n, 1.0f, got.data());
       for (std::size_t i = 0; i < n; ++i)
         if (got[i] != static_cast<std::uint8_t>(F::code(x[i])) && mismatches++ == 0) first_bad = std::bit_cast<std::uint32_t>(x[i]);
+      // Each hand-written routine this build has, also where quantize_block takes another (the
+      // zero-padded tail as quantize_block pads it).
+      auto direct = [&](auto codes_of, std::size_t w) {
+        std::vector<float> in(w);
+        std::vector<std::uint8_t> out(w);
+        for (std::size_t i = 0; i < n; i += w) {
+          std::fill(in.begin(), in.end(), 0.0f);
+          std::copy(x.begin() + i, x.begin() + std::min(n, i + w), in.begin());
+          codes_of(in.data(), out.data());
+          for (std::size_t j = 0; j < w && i + j < n; ++j)
+            if (out[j] != static_cast<std::uint8_t>(F::code(x[i + j])) && mismatches++ == 0)
+              first_bad = std::bit_cast<std::uint32_t>(x[i + j]);
+        }
+      };
+#if LOCKSTEP_HOST_AVX2
+      direct([](const float* in, std::uint8_t* out) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), F::codes32(in, _mm256_set1_ps(1.0f)));
+      }, 32);
+#endif
+#if LOCKSTEP_HOST_AVX512
+      direct([](const float* in, std::uint8_t* out) { _mm512_storeu_si512(out, F::codes64(in, _mm512_set1_ps(1.0f))); }, 64);
+#endif
+      (void)direct;
     }
-    INFO(F::name << ": first mismatch at bit pattern " << first_bad << " (AVX2 path " << LOCKSTEP_HOST_AVX2 << ")");
+    INFO(F::name << ": first mismatch at bit pattern " << first_bad << " (AVX2 " << LOCKSTEP_HOST_AVX2 << ", AVX-512 "
+                 << LOCKSTEP_HOST_AVX512 << ")");
     CHECK(mismatches == 0);
   };
   sweep(0, 0x3f800010u, 1, 0);                    // every non-negative unit
   sweep(0, 0x3f800010u, 101, 0x80000000u);        // negatives on a stride
   // Every length of the tail that does not fill a turn of 32 (it goes through a padded copy).
   for (std::uint32_t len = 1; len < 64; ++len) sweep(0x3d000000u, 0x3d000000u + len - 1, 1, len % 2 ? 0x80000000u : 0);
+}
+
+TEMPLATE_TEST_CASE("8-bit decoders give table() * scale bit for bit, for every code and odd lengths", "[codec]",
+                   codec::int8, codec::dyntree8) {
+  // decode and decode_add may take a hand-vectorised path (LOCKSTEP_HOST_AVX512: values64);
+  // out = table[code] * scale and acc + table[code] * scale exactly, with tails of every length.
+  const auto& table = TestType::table();
+  for (std::size_t block : {std::size_t{512}, std::size_t{64}, std::size_t{37}, std::size_t{100}}) {
+    TestType c(block);
+    const std::size_t n = 3 * block + 61;
+    std::vector<std::byte> wire(c.wire_bytes(n));
+    const std::size_t nb = c.blocks(n);
+    std::vector<float> scale(nb);
+    for (std::size_t b = 0; b < nb; ++b) scale[b] = std::ldexp(1.2345f + 0.37f * float(b), int(b) - 2);
+    std::memcpy(wire.data(), scale.data(), nb * sizeof(float));
+    for (std::size_t i = 0; i < n; ++i) wire[nb * sizeof(float) + i] = std::byte(static_cast<std::uint8_t>((i * 37 + block) & 0xff));
+    std::vector<float> out(n), acc = normal(n, 17), sum = acc;
+    c.decode(wire.data(), n, out.data());
+    c.decode_add(wire.data(), n, sum.data());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float v = table[std::to_integer<std::uint8_t>(wire[nb * sizeof(float) + i])] * scale[i / block];
+      bad += std::bit_cast<std::uint32_t>(out[i]) != std::bit_cast<std::uint32_t>(v);
+      bad += std::bit_cast<std::uint32_t>(sum[i]) != std::bit_cast<std::uint32_t>(acc[i] + v);
+    }
+    INFO("block " << block);
+    CHECK(bad == 0);
+  }
+}
+
+TEST_CASE("bf16 codec gives bf16_from_bits for every bit pattern on a stride, and decodes every code", "[codec][bf16]") {
+  // The codec's loops may be hand-vectorised (LOCKSTEP_HOST_AVX512); they must give the element
+  // function's bits: every 3rd pattern of all 2^32 (subnormals, ties, NaNs and Infs among them),
+  // and every pattern whose low 16 bits are a tie or next to one; odd lengths for the tails.
+  codec::bf16 c;
+  constexpr std::size_t batch = (1 << 20) + 7;
+  std::vector<float> x(batch);
+  std::vector<std::byte> w(c.wire_bytes(batch));
+  std::size_t bad = 0;
+  std::uint32_t first_bad = 0;
+  auto check = [&](std::size_t n) {
+    c.encode(x.data(), n, w.data());
+    const auto* h = reinterpret_cast<const std::uint16_t*>(w.data());
+    for (std::size_t i = 0; i < n; ++i)
+      if (h[i] != codec::bf16_from_bits(std::bit_cast<std::uint32_t>(x[i])) && bad++ == 0) first_bad = std::bit_cast<std::uint32_t>(x[i]);
+  };
+  std::size_t n = 0;
+  for (std::uint64_t b = 0; b <= 0xffffffffu; b += 3) {
+    x[n++] = std::bit_cast<float>(static_cast<std::uint32_t>(b));
+    if (n == batch) check(n), n = 0;
+  }
+  check(n), n = 0;
+  for (std::uint32_t hi = 0; hi < 0x10000u; ++hi)
+    for (std::uint32_t lo : {0x7fffu, 0x8000u, 0x8001u, 0xffffu, 0x0001u}) {
+      x[n++] = std::bit_cast<float>(hi << 16 | lo);
+      if (n == batch) check(n), n = 0;
+    }
+  check(n);
+  INFO("first mismatch at bits " << first_bad);
+  CHECK(bad == 0);
+  // Decoding: every one of the 65536 codes, into and onto a buffer, with a tail.
+  const std::size_t m = 65536 + 13;
+  std::vector<std::uint16_t> codes(m);
+  for (std::size_t i = 0; i < m; ++i) codes[i] = static_cast<std::uint16_t>(i * 40503u);
+  std::vector<float> out(m), acc = normal(m, 23), sum = acc;
+  c.decode(reinterpret_cast<const std::byte*>(codes.data()), m, out.data());
+  c.decode_add(reinterpret_cast<const std::byte*>(codes.data()), m, sum.data());
+  std::size_t dbad = 0;
+  for (std::size_t i = 0; i < m; ++i) {
+    const float v = std::bit_cast<float>(codec::bf16_to_bits(codes[i]));
+    dbad += std::bit_cast<std::uint32_t>(out[i]) != std::bit_cast<std::uint32_t>(v);
+    dbad += !(std::bit_cast<std::uint32_t>(sum[i]) == std::bit_cast<std::uint32_t>(acc[i] + v) || (std::isnan(sum[i]) && std::isnan(acc[i] + v)));
+  }
+  CHECK(dbad == 0);
 }
 
 TEMPLATE_TEST_CASE("a block whose absmax is below the smallest normal float is sent as zeros", "[codec]",

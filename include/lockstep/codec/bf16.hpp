@@ -5,6 +5,8 @@
 // stays +-Inf; finite values too large round to Inf exactly as the hardware converters do.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -12,6 +14,8 @@
 
 #include "../core/config.hpp"
 #include "concept.hpp"
+
+#include "simd.hpp"
 
 namespace lockstep::codec {
 
@@ -35,16 +39,74 @@ struct bf16 {
 
   void encode(const float* LOCKSTEP_RESTRICT in, std::size_t n, std::byte* out) const noexcept {
     std::uint16_t* LOCKSTEP_RESTRICT h = reinterpret_cast<std::uint16_t*>(out);
-    for (std::size_t i = 0; i < n; ++i) h[i] = bf16_from_bits(std::bit_cast<std::uint32_t>(in[i]));
+    std::size_t i = 0;
+#if LOCKSTEP_HOST_AVX512
+    // 32 values per turn, the tail (under 32) by masked loads and stores
+    const __m512i even = even_words();
+    for (; i + 32 <= n; i += 32)
+      _mm512_storeu_si512(h + i, _mm512_permutex2var_epi16(from_bits16(_mm512_loadu_si512(in + i)), even,
+                                                           from_bits16(_mm512_loadu_si512(in + i + 16))));
+    if (i < n) {
+      const __mmask32 m = __mmask32((1u << (n - i)) - 1);
+      const __m512i r = _mm512_permutex2var_epi16(from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m), in + i)), even,
+                                                  from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m >> 16), in + i + 16)));
+      _mm512_mask_storeu_epi16(h + i, m, r);
+      i = n;
+    }
+#endif
+    for (; i < n; ++i) h[i] = bf16_from_bits(std::bit_cast<std::uint32_t>(in[i]));
   }
-  void decode(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT out) const noexcept {
+  void decode(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT out) const noexcept { walk<false>(in, n, out); }
+  void decode_add(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT acc) const noexcept { walk<true>(in, n, acc); }
+
+ private:
+  template <bool Add>
+  static void walk(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT out) noexcept {
     const std::uint16_t* LOCKSTEP_RESTRICT h = reinterpret_cast<const std::uint16_t*>(in);
-    for (std::size_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(bf16_to_bits(h[i]));
+    std::size_t i = 0;
+#if LOCKSTEP_HOST_AVX512
+    // 16 values per turn, the tail (under 16) by masked loads and stores
+    for (; i + 16 <= n; i += 16) {
+      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))), 16));
+      if constexpr (Add) v = _mm512_add_ps(_mm512_loadu_ps(out + i), v);
+      _mm512_storeu_ps(out + i, v);
+    }
+    if (i < n) {
+      const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, h + i)), 16));
+      if constexpr (Add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + i), v);
+      _mm512_mask_storeu_ps(out + i, m, v);
+      i = n;
+    }
+#endif
+    for (; i < n; ++i) {
+      if constexpr (Add) out[i] += std::bit_cast<float>(bf16_to_bits(h[i]));
+      else out[i] = std::bit_cast<float>(bf16_to_bits(h[i]));
+    }
   }
-  void decode_add(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT acc) const noexcept {
-    const std::uint16_t* LOCKSTEP_RESTRICT h = reinterpret_cast<const std::uint16_t*>(in);
-    for (std::size_t i = 0; i < n; ++i) acc[i] += std::bit_cast<float>(bf16_to_bits(h[i]));
+
+#if LOCKSTEP_HOST_AVX512
+  // bf16_from_bits on 16 lanes, in the low 16 bits of each. Not vcvtneps2bf16 (AVX512_BF16): it
+  // rounds subnormal inputs to zero (0x00018000 gives 0x0000, bf16_from_bits 0x0002).
+  static __m512i from_bits16(__m512i u) noexcept {
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x0040));
   }
+  // Word indices 0, 2, 4, ... of two registers: the low halves of 32 lanes, in order.
+  static __m512i even_words() noexcept {
+    alignas(64) static constexpr auto idx = [] {
+      std::array<std::uint16_t, 32> v{};
+      for (int i = 0; i < 32; ++i) v[i] = static_cast<std::uint16_t>(2 * i);
+      return v;
+    }();
+    return _mm512_load_si512(idx.data());
+  }
+#endif
+
+ public:
 };
 
 }  // namespace lockstep::codec

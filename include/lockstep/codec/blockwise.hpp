@@ -13,6 +13,8 @@
 //   Format::name, Format::code(float unit) -> uint32_t (the code in the low 8 bits),
 //   Format::quantize(float unit) -> uint8_t, Format::value(uint8_t) -> float, and optionally
 //   (host, AVX2) Format::codes32(const float* x, __m256 inv) -> 32 codes of x[i] * inv in order,
+//   (host, AVX-512) Format::codes64(const float* x, __m512 inv) -> 64 codes likewise, and
+//   Format::values64(const uint8_t* c, __m512* v) -> v[0..4) = value(c[0..64)) in order,
 // with value(quantize(+-1)) == +-1 and value(quantize(0)) == 0 so that 0 and +-absmax round-trip
 // exactly.
 #pragma once
@@ -27,9 +29,7 @@
 #include "../core/config.hpp"
 #include "concept.hpp"
 
-#if LOCKSTEP_HOST_AVX2
-#include <immintrin.h>
-#endif
+#include "simd.hpp"
 
 namespace lockstep::codec {
 
@@ -40,6 +40,22 @@ namespace lockstep::codec {
 LOCKSTEP_HD constexpr bool block_scale_carries(float scale) noexcept {
   return scale >= 1.17549435e-38f && scale <= 3.40282347e+38f;  // false for NaN as well
 }
+
+#if LOCKSTEP_HOST_AVX512
+// Byte `which` (0..3) of each 32-bit lane of a, b, c, d, as 64 bytes in order: two byte permutes
+// of two registers each (VBMI) and an insert.
+template <int which>
+inline __m512i dword_bytes(__m512i a, __m512i b, __m512i c, __m512i d) noexcept {
+  alignas(64) static constexpr auto idx = [] {
+    std::array<std::uint8_t, 64> v{};
+    for (int i = 0; i < 64; ++i) v[i] = static_cast<std::uint8_t>((4 * i + which) & 127);
+    return v;
+  }();
+  const __m512i pick = _mm512_load_si512(idx.data());
+  const __m512i ab = _mm512_permutex2var_epi8(a, pick, b), cd = _mm512_permutex2var_epi8(c, pick, d);
+  return _mm512_inserti64x4(ab, _mm512_castsi512_si256(cd), 1);
+}
+#endif
 
 #if LOCKSTEP_HOST_AVX2
 // Four vectors of 8 codes in 32-bit lanes (each 0..255) as 32 bytes in order: two saturating packs
@@ -115,6 +131,23 @@ class blockwise {
       return;
     }
     const float inv = 1.0f / scale;
+#if LOCKSTEP_HOST_AVX512
+    // A format with codes64() (64 codes in input order, the same bits as code()) takes 64 values
+    // per turn, the tail through a zero-padded copy by the same code.
+    if constexpr (requires(const float* p, __m512 v) { Format::codes64(p, v); }) {
+      const __m512 vinv = _mm512_set1_ps(inv);
+      std::size_t i = 0;
+      for (; i + 64 <= n; i += 64) _mm512_storeu_si512(codes + i, Format::codes64(x + i, vinv));
+      if (i < n) {
+        alignas(64) float in[64] = {};
+        alignas(64) std::uint8_t out[64];
+        std::memcpy(in, x + i, (n - i) * sizeof(float));
+        _mm512_store_si512(out, Format::codes64(in, vinv));
+        std::memcpy(codes + i, out, n - i);
+      }
+      return;
+    }
+#endif
 #if LOCKSTEP_HOST_AVX2
     // A format with codes32() (32 codes in input order, the same bits as code(); see its header)
     // takes 32 values per turn, the tail through a zero-padded copy by the same code.
@@ -132,14 +165,32 @@ class blockwise {
       return;
     }
 #endif
-    // Codes are computed 32 bits wide, then narrowed: a loop that goes from fp32 straight to
-    // bytes does not vectorise with GCC 12, one with equal-width lanes does.
+    quantize_portable(x, n, inv, codes);
+  }
+
+  // quantize_block's loop without hand-written SIMD (the one CUDA translation units and
+  // LOCKSTEP_NO_SIMD builds take; public so that tests compare it with the others). Codes are
+  // computed 32 bits wide, then narrowed: a loop that goes from fp32 straight to bytes does not
+  // vectorise with GCC 12, one with equal-width lanes does. A format whose code() settles a few
+  // values the slow way (Format::estimate, which flags them with Format::near_bit) gets the
+  // vectorisable estimate for all, then code() for the flagged ones.
+  static void quantize_portable(const float* LOCKSTEP_RESTRICT x, std::size_t n, float inv,
+                                std::uint8_t* LOCKSTEP_RESTRICT codes) noexcept {
     constexpr std::size_t tile = 256;
     std::uint32_t wide[tile];
     for (std::size_t lo = 0; lo < n; lo += tile) {
       const std::size_t len = std::min(tile, n - lo);
-      for (std::size_t i = 0; i < len; ++i) wide[i] = Format::code(x[lo + i] * inv);
-      for (std::size_t i = 0; i < len; ++i) codes[lo + i] = static_cast<std::uint8_t>(wide[i]);
+      if constexpr (requires(float v) { Format::estimate(v); }) {
+        std::uint32_t flagged = 0;
+        for (std::size_t i = 0; i < len; ++i) wide[i] = Format::estimate(x[lo + i] * inv);
+        for (std::size_t i = 0; i < len; ++i) codes[lo + i] = static_cast<std::uint8_t>(wide[i]), flagged |= wide[i];
+        if (flagged & Format::near_bit)
+          for (std::size_t i = 0; i < len; ++i)
+            if (wide[i] & Format::near_bit) codes[lo + i] = Format::quantize(x[lo + i] * inv);
+      } else {
+        for (std::size_t i = 0; i < len; ++i) wide[i] = Format::code(x[lo + i] * inv);
+        for (std::size_t i = 0; i < len; ++i) codes[lo + i] = static_cast<std::uint8_t>(wide[i]);
+      }
     }
   }
 
@@ -165,6 +216,34 @@ class blockwise {
       std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
       const std::size_t lo = b * block_, hi = std::min(n, lo + block_);
       if constexpr (Add) prefetch_ahead(out + lo, hi - lo);  // the accumulator is read too
+#if LOCKSTEP_HOST_AVX512
+      // A format with values64() (the unit values of 64 codes, table()'s bits) takes 64 per turn,
+      // the tail through a padded copy and masked stores; then value * scale (+ acc), as below.
+      if constexpr (requires(const std::uint8_t* c, __m512* v) { Format::values64(c, v); }) {
+        const __m512 vs = _mm512_set1_ps(scale);
+        for (std::size_t i = lo; i < hi; i += 64) {
+          const std::size_t len = std::min<std::size_t>(64, hi - i);
+          alignas(64) std::uint8_t pad[64] = {};
+          const std::uint8_t* c = codes + i;
+          if (len < 64) c = static_cast<const std::uint8_t*>(std::memcpy(pad, codes + i, len));
+          __m512 v[4];
+          Format::values64(c, v);
+          for (std::size_t j = 0; j < 4 && 16 * j < len; ++j) {
+            float* o = out + i + 16 * j;
+            __m512 r = _mm512_mul_ps(v[j], vs);
+            if (len - 16 * j >= 16) {
+              if constexpr (Add) r = _mm512_add_ps(_mm512_loadu_ps(o), r);
+              _mm512_storeu_ps(o, r);
+            } else {
+              const __mmask16 m = __mmask16((1u << (len - 16 * j)) - 1);
+              if constexpr (Add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), r);
+              _mm512_mask_storeu_ps(o, m, r);
+            }
+          }
+        }
+        continue;
+      }
+#endif
       for (std::size_t i = lo; i < hi; ++i) {
         if constexpr (Add) out[i] += t[codes[i]] * scale;
         else out[i] = t[codes[i]] * scale;

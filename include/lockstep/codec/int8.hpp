@@ -13,9 +13,7 @@
 #include "../core/config.hpp"
 #include "blockwise.hpp"
 
-#if LOCKSTEP_HOST_AVX2
-#include <immintrin.h>
-#endif
+#include "simd.hpp"
 
 namespace lockstep::codec {
 
@@ -43,6 +41,26 @@ struct linear8_format {
   static __m256i codes32(const float* x, __m256 inv) noexcept {
     auto c = [&](int j) { return code8(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv)); };
     return narrow_codes(c(0), c(1), c(2), c(3));
+  }
+#endif
+#if LOCKSTEP_HOST_AVX512
+  // code() for 64 values x[0..64) * inv in 16-lane registers; the low bytes of the clamped
+  // integers, in order, by byte permutes.
+  static __m512i codes64(const float* x, __m512 inv) noexcept {
+    __m512i q[4];
+    for (int j = 0; j < 4; ++j) {
+      q[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), inv), _mm512_set1_ps(127.0f)));
+      q[j] = _mm512_min_epi32(_mm512_max_epi32(q[j], _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    }
+    return dword_bytes<0>(q[0], q[1], q[2], q[3]);
+  }
+  // value() of 64 codes, without a table: sign-extend, convert, divide by 127 (the same correctly
+  // rounded division as value()).
+  static void values64(const std::uint8_t* c, __m512* v) noexcept {
+    for (int j = 0; j < 4; ++j) {
+      const __m512i i32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
+      v[j] = _mm512_div_ps(_mm512_cvtepi32_ps(i32), _mm512_set1_ps(127.0f));
+    }
   }
 #endif
   LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
