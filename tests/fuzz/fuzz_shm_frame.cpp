@@ -101,7 +101,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   //     wait's copy reads past the ring's end (shm-park-wrapped-message);
   //   a skip frame comes with its whole stretch: open_message moves the tail past the head, the
   //     cursor's available() wraps, and the drain then loops over stale bytes forever, copying
-  //     past the ring's end (shm-skip-past-head).
+  //     past the ring's end (shm-skip-past-head, shm-skip-overread).
   // Unless LOCKSTEP_FUZZ_STRICT is set the input is held to those rules: here, at every place a
   // frame can start (8-aligned, 16 bytes before the end), counts over 1 MiB are cut and a message
   // that would wrap is made larger than the ring; below (set_head), the head never stops inside
