@@ -103,9 +103,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   //     cursor's available() wraps, and the drain then loops over stale bytes forever, copying
   //     past the ring's end (shm-skip-past-head, shm-skip-overread).
   // Unless LOCKSTEP_FUZZ_STRICT is set the input is held to those rules: here, at every place a
-  // frame can start (8-aligned, 16 bytes before the end), counts over 1 MiB are cut and a message
-  // that would wrap is made larger than the ring; below (set_head), the head never stops inside
-  // a skipped stretch.
+  // frame can start (8-aligned, 16 bytes before the end), counts over 32 KiB (four rings: room to
+  // stream; a 1 MiB cap ran at a tenth of the rate, in page faults) are cut and a message that
+  // would wrap is made larger than the ring; below (set_head), the head never stops inside a
+  // skipped stretch.
   static const bool strict = [] { const char* s = std::getenv("LOCKSTEP_FUZZ_STRICT"); return s && *s; }();
   std::vector<std::size_t> skips;  // offsets of skip frames
   for (std::size_t off = 0; !strict && off + sizeof(shm::frame) <= capacity; off += 8) {
@@ -113,7 +114,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::memcpy(&f, ring + off, sizeof f);
     if (f.magic == shm::skip_magic) skips.push_back(off);
     if (f.magic != shm::frame_magic && f.magic != shm::ref_magic) continue;
-    if (f.bytes > (std::uint64_t{1} << 20)) f.bytes &= (std::uint64_t{1} << 20) - 1;
+    if (f.bytes > (std::uint64_t{1} << 15)) f.bytes &= (std::uint64_t{1} << 15) - 1;
     const std::uint64_t total = sizeof(shm::frame) + shm::pad8(f.bytes) + shm::trailer_bytes;
     if (f.magic == shm::frame_magic && total <= capacity && total > capacity - off) f.bytes = capacity;
     std::memcpy(ring + off, &f, sizeof f);
