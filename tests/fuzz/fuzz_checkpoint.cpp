@@ -87,6 +87,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   {
     FILE* out = std::fopen(path().c_str(), "wb");
+    // Registered after path() is made, so it runs before path()'s string is destroyed; libFuzzer ends
+    // a run with exit().
+    static const int removed_at_exit = std::atexit([] { std::remove(path().c_str()); });
+    (void)removed_at_exit;
     if (!out || (!f.empty() && std::fwrite(f.data(), 1, f.size(), out) != f.size()) || std::fclose(out) != 0) fail("cannot write", path());
   }
   // Known finding (docs/reliability.md): load_checkpoint sizes its four arrays from the header, up

@@ -38,6 +38,10 @@ const std::string& path() {
 
 void write_file(const std::vector<std::uint8_t>& bytes) {
   FILE* f = std::fopen(path().c_str(), "wb");
+  // Registered after path() is made, so it runs before path()'s string is destroyed; libFuzzer ends
+  // a run with exit().
+  static const int removed_at_exit = std::atexit([] { std::remove(path().c_str()); });
+  (void)removed_at_exit;
   if (!f || (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) || std::fclose(f) != 0)
     fail("cannot write", path());
 }
