@@ -91,12 +91,23 @@ inline idx_array read_idx(const std::string& path, int expect_ndim) {
     unsigned char b[4];
     if (gz_read_all(f, b, 4, path) != 4) throw data_error(path + ": truncated in the header (dimension sizes)");
     d = (std::uint32_t{b[0]} << 24) | (std::uint32_t{b[1]} << 16) | (std::uint32_t{b[2]} << 8) | b[3];
+    // The product of the dimensions must not wrap (2^22 x 2^21 x 2^21 would claim 0 bytes).
+    if (d != 0 && total > (std::size_t{1} << 34) / d) throw data_error(path + ": header claims an implausible size");
     total *= d;
   }
   if (total > (std::size_t{1} << 34)) throw data_error(path + ": header claims an implausible size");
 
-  a.data.resize(total);
-  const std::size_t got = gz_read_all(f, a.data.data(), total, path);
+  // Read in pieces of 1 MiB appended as they arrive, so that a header claiming more than the file
+  // holds costs what the file holds, never the claimed size up front.
+  std::vector<unsigned char> piece(std::min<std::size_t>(total, std::size_t{1} << 20));
+  std::size_t got = 0;
+  while (got < total) {
+    const std::size_t want = std::min(total - got, piece.size());
+    const std::size_t n = gz_read_all(f, piece.data(), want, path);
+    a.data.insert(a.data.end(), piece.begin(), piece.begin() + static_cast<std::ptrdiff_t>(n));
+    got += n;
+    if (n < want) break;
+  }
   if (got != total)
     throw data_error(path + ": truncated: the header promises " + std::to_string(total) +
                      " data bytes, the file holds " + std::to_string(got));

@@ -170,6 +170,17 @@ inline checkpoint load_checkpoint(const std::string& path, const options& o) {
   if (ids[0] != o.seed || ids[1] != options_fingerprint(o))
     throw std::runtime_error(path + ": written with other training flags (seed, batch, ranks, codec, optimizer, "
                                     "schedule, epochs ...); resume with the flags of the original run");
+  // The sizes the header claims, checked against what the file holds before anything is allocated
+  // for them (a corrupt header must not ask for gigabytes).
+  const std::uint64_t claimed = (std::uint64_t{head[3]} + head[4] + head[5] + head[9]) * sizeof(float);
+  const auto here = f.tellg();
+  f.seekg(0, std::ios::end);
+  const auto end = f.tellg();
+  f.seekg(here);
+  if (here < 0 || end < here || claimed != static_cast<std::uint64_t>(end - here))
+    throw std::runtime_error(path + ": the header promises " + std::to_string(claimed) + " bytes of parameters and state, " +
+                             "the file holds " + std::to_string(end >= here ? static_cast<long long>(end - here) : 0) +
+                             " (truncated or not a checkpoint of this program)");
   checkpoint c;
   c.epochs_done = static_cast<int>(head[0]);
   c.global_step = static_cast<long long>(head[1]) | (static_cast<long long>(head[2]) << 32);
