@@ -656,3 +656,28 @@ TEST_CASE("error feedback says so in its name; its id stays the inner codec's", 
   CHECK(codec::error_feedback<codec::int8>{codec::int8{64}}.id() == codec::int8{64}.id());
   CHECK(codec::error_feedback<codec::int8>{codec::int8{64}}.id() != codec::int8{}.id());
 }
+
+TEST_CASE("int8: the never-written code 0x80 decodes as -127 on every path, a finite block stays finite", "[codec][int8]") {
+  using f = lockstep::codec::linear8_format;
+  CHECK(f::value(0x80) == -1.0f);
+  CHECK(f::value(0x81) == -1.0f);
+  lockstep::codec::int8 c;
+  const std::size_t n = 1000;  // the vector paths and a tail
+  std::vector<float> x(n, 0.5f);
+  x[0] = 3.0e38f;  // a scale near FLT_MAX: -128/127 of it would overflow to -Inf
+  std::vector<std::byte> w(c.wire_bytes(n));
+  c.encode(x.data(), n, w.data());
+  auto* codes = reinterpret_cast<std::uint8_t*>(w.data()) + c.blocks(n) * sizeof(float);
+  for (std::size_t i = 0; i < n; i += 3) codes[i] = 0x80;
+  std::vector<float> y(n), acc(n, 0.0f);
+  c.decode(w.data(), n, y.data());
+  c.decode_add(w.data(), n, acc.data());
+  for (std::size_t i = 0; i < n; i += 3) {
+    INFO("element " << i);
+    float scale;  // of the element's block
+    std::memcpy(&scale, w.data() + (i / c.block()) * sizeof(float), sizeof scale);
+    CHECK(std::isfinite(y[i]));
+    CHECK(y[i] == -scale);
+    CHECK(acc[i] == y[i]);
+  }
+}

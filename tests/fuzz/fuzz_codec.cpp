@@ -100,15 +100,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       volatile float want = unit * scale;
       if (!same(got, want)) fail(name, nn, c.block(), i, "decode is not value(code) * scale");
       if (std::isnan(scale) && !std::isnan(got)) fail(name, nn, c.block(), i, "a NaN scale gave a number");
-      // int8's code 0x80 (-128, never encoded: codes are clamped to [-127, 127]) decodes to
-      // -128/127 of the scale, beyond the block's absmax, and to -Inf for a scale above
-      // 127/128 of FLT_MAX; reported as a finding (tests/fuzz/crashes/codec-int8-0x80-inf), so it
-      // is the one code held only to the equality above (unless LOCKSTEP_FUZZ_STRICT is set). Any
-      // other code outside [-1, 1] fails.
-      static const bool strict = [] { const char* s = std::getenv("LOCKSTEP_FUZZ_STRICT"); return s && *s; }();  // reproduces the finding
-      const bool int8_minus_128 = !strict && name[0] == 'i' && code == 0x80;
-      if (std::fabs(unit) > 1.0f && !int8_minus_128) fail(name, nn, c.block(), i, "value(code) lies outside [-1, 1]");
-      if (std::isfinite(scale) && !int8_minus_128 && !(std::isfinite(got) && std::fabs(got) <= std::fabs(scale)))
+      // (Fixed finding, tests/fuzz/crashes/codec-int8-0x80-inf: int8's never-written code 0x80 decoded
+      // to -128/127 of the scale, -Inf near FLT_MAX; it now reads as -127.) No code lies outside [-1, 1].
+      if (std::fabs(unit) > 1.0f) fail(name, nn, c.block(), i, "value(code) lies outside [-1, 1]");
+      if (std::isfinite(scale) && !(std::isfinite(got) && std::fabs(got) <= std::fabs(scale)))
         fail(name, nn, c.block(), i, "a finite scale gave a value beyond it");
       if (std::isinf(scale) && !(std::isnan(got) == (unit == 0.0f))) fail(name, nn, c.block(), i, "an Inf scale: NaN not where value(code) is 0");
     });

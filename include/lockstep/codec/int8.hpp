@@ -1,7 +1,7 @@
 // lockstep/codec/int8.hpp: linear 8-bit quantisation with one absmax scale per block.
 //
 // code = round_to_nearest_even(127 * x / absmax) as a two's-complement int8 in [-127, 127]; the
-// value of a code is code / 127 * absmax. The step is absmax / 127, so the absolute error of a
+// value of a code is code / 127 * absmax (0x80, never written, reads as -127). The step is absmax / 127, so the absolute error of a
 // value is at most absmax / 254; small values in a block with a large absmax lose most of their
 // digits, which is what the dynamic tree type (dyntree8.hpp) is for.
 #pragma once
@@ -58,13 +58,17 @@ struct linear8_format {
   // rounded division as value()).
   static void values64(const std::uint8_t* c, __m512* v) noexcept {
     for (int j = 0; j < 4; ++j) {
-      const __m512i i32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
+      const __m512i i32 = _mm512_max_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j))),
+                                           _mm512_set1_epi32(-127));  // 0x80 as -127, as value() does
       v[j] = _mm512_div_ps(_mm512_cvtepi32_ps(i32), _mm512_set1_ps(127.0f));
     }
   }
 #endif
+  // The encoder never writes 0x80 (-128); a wire that holds it (a faulty peer) decodes it as -127,
+  // so that every code stays within the block's absmax and a finite scale gives a finite value.
   LOCKSTEP_HD static float value(std::uint8_t code) noexcept {
-    return static_cast<float>(static_cast<std::int8_t>(code)) / 127.0f;
+    const std::int32_t q = static_cast<std::int8_t>(code);
+    return static_cast<float>(q < -127 ? -127 : q) / 127.0f;
   }
 };
 
