@@ -86,16 +86,21 @@ inline idx_array read_idx(const std::string& path, int expect_ndim) {
 
   idx_array a;
   a.dims.resize(static_cast<std::size_t>(expect_ndim));
+  // The product of the dimensions without wrapping (in 64 bits 2^22 x 2^21 x 2^21 would claim 0
+  // bytes): past the cap it is only remembered as too large, and any zero dimension makes it 0.
+  constexpr std::size_t cap = std::size_t{1} << 34;
   std::size_t total = 1;
+  bool zero = false, too_large = false;
   for (auto& d : a.dims) {
     unsigned char b[4];
     if (gz_read_all(f, b, 4, path) != 4) throw data_error(path + ": truncated in the header (dimension sizes)");
     d = (std::uint32_t{b[0]} << 24) | (std::uint32_t{b[1]} << 16) | (std::uint32_t{b[2]} << 8) | b[3];
-    // The product of the dimensions must not wrap (2^22 x 2^21 x 2^21 would claim 0 bytes).
-    if (d != 0 && total > (std::size_t{1} << 34) / d) throw data_error(path + ": header claims an implausible size");
-    total *= d;
+    if (d == 0) zero = true;
+    else if (total > cap / d) too_large = true;
+    else total *= d;
   }
-  if (total > (std::size_t{1} << 34)) throw data_error(path + ": header claims an implausible size");
+  if (zero) total = 0;
+  else if (too_large) throw data_error(path + ": header claims an implausible size");
 
   // Read in pieces of 1 MiB appended as they arrive, so that a header claiming more than the file
   // holds costs what the file holds, never the claimed size up front.
