@@ -198,6 +198,7 @@ std::size_t dyntree8_path_mismatches(const std::vector<float>& x, const std::vec
   using b = codec::dyntree8;
   const std::size_t n = x.size();
   std::vector<std::pair<std::string, std::vector<std::uint8_t>>> got;
+  got.reserve(32);  // path() hands out references into it: no reallocation may move them
   auto path = [&](std::string name) -> std::vector<std::uint8_t>& { return got.emplace_back(std::move(name), std::vector<std::uint8_t>(n)).second; };
   {
     auto& c = path("code");
