@@ -53,7 +53,7 @@ class engine {
   template <class G>
   engine(const plan<O>& p, float lr, G& g)
       : p_(p), ps_(p.table.params()), stream_(g.stream()),
-        ctx_{lr, p.average == optim::averaging::in_update ? 1.0f / static_cast<float>(g.size()) : 1.0f},
+        ctx_{lr, optim::grad_scale(p.average, g.size())},
         norms_(optim::needs_any_sums(p.opt, ps_)) {
     const std::size_t n = ps_.size();
     auto bad = [&](const std::string& why) { return error(errc::invalid_argument, "device::step", -1, -1, why); };
@@ -67,7 +67,7 @@ class engine {
   const optim::param_set& params() const noexcept { return ps_; }
   bool norms() const noexcept { return norms_; }
   reduce_op reduction() const noexcept {
-    return p_.average == optim::averaging::in_collective ? reduce_op::average : reduce_op::sum;
+    return optim::detail::reduction_of(p_.average);
   }
   std::span<float> grads() const noexcept { return p_.grads; }
   void range(std::size_t lo, std::size_t hi) {

@@ -40,6 +40,11 @@ enum class averaging {
   in_collective,
 };
 
+// The gradient multiplier of an update in a group of `ranks` (host and device plans alike).
+constexpr float grad_scale(averaging a, int ranks) noexcept {
+  return a == averaging::in_update ? 1.0f / static_cast<float>(ranks) : 1.0f;
+}
+
 template <class O>
 struct plan {
   O opt;                                        // the optimizer policy (a few scalars)
@@ -53,7 +58,7 @@ struct plan {
 
   // The gradient multiplier of the update in a group of `ranks`.
   float grad_scale(int ranks) const noexcept {
-    return average == averaging::in_update ? 1.0f / static_cast<float>(ranks) : 1.0f;
+    return optim::grad_scale(average, ranks);
   }
 };
 

@@ -72,9 +72,13 @@ inline error step_error(const char* op, int rank, const std::string& why) {
   return error(errc::invalid_argument, op, rank, -1, why);
 }
 
+// What the collective does for an averaging (host and device plans alike).
+constexpr reduce_op reduction_of(averaging a) noexcept {
+  return a == averaging::in_collective ? reduce_op::average : reduce_op::sum;
+}
 template <class O>
 reduce_op reduction_of(const plan<O>& p) noexcept {
-  return p.average == averaging::in_collective ? reduce_op::average : reduce_op::sum;
+  return reduction_of(p.average);
 }
 
 }  // namespace detail
