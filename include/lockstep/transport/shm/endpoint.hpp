@@ -240,16 +240,19 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     for (int polls = 0;; ++polls) {
       const std::uint32_t seen = block(local_).bell.seen();
       progress(recv, in_place);
-      idle();
       if (recv && recv->in_ring.load(std::memory_order_acquire)) {
         if (in_place) return true;  // wait_view reads it there
         take(*recv);                // parked in the ring: a plain wait copies it out
       }
       if ((recv ? recv->done : send->done).load(std::memory_order_acquire)) {
         r.done_ = true;
+        if (recv && recv->withdrawn) throw_if_peer_failed(op, r.peer_);  // the failure, not its echo
         if (recv) throw_if_failed(*recv, r.peer_);
         return true;
       }
+      // After a look that found nothing, so that what idle checks (the routed transport: is the
+      // peer's process still there?) never overtakes a message that had arrived.
+      idle();
       throw_if_peer_failed(op, names_[static_cast<std::size_t>(r.peer_)]);
       const auto now = clock::now();
       if (now >= deadline) return false;
@@ -318,12 +321,20 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     b.failed.store(1, std::memory_order_release);
     for (int p = 0; p < lay_.ranks; ++p) block(p).bell.ring(true);
   }
-  // Throws errc::aborted when another local rank of the group failed.
-  void throw_if_peer_failed(const char* op, int peer_name) const {
+  // Whether another local rank of the group has set its failed flag.
+  bool any_peer_failed() const {
+    for (int p = 0; p < lay_.ranks; ++p)
+      if (p != local_ && block(p).failed.load(std::memory_order_acquire)) return true;
+    return false;
+  }
+  // Throws errc::aborted, naming the failed rank as its peer(), when another local rank of the
+  // group failed (whichever peer the caller waited for: the failed rank need not be that one).
+  void throw_if_peer_failed(const char* op, int /*waited_for*/) const {
     for (int p = 0; p < lay_.ranks; ++p) {
       if (p == local_ || !block(p).failed.load(std::memory_order_acquire)) continue;
-      throw error(errc::aborted, op, names_[static_cast<std::size_t>(local_)], peer_name,
-                  "rank " + std::to_string(names_[static_cast<std::size_t>(p)]) + " failed: " + std::string(block(p).reason));
+      const int name = names_[static_cast<std::size_t>(p)];
+      throw error(errc::aborted, op, names_[static_cast<std::size_t>(local_)], name,
+                  "rank " + std::to_string(name) + " failed: " + std::string(block(p).reason));
     }
   }
 
