@@ -8,6 +8,9 @@
 // receives, and the sleep on the doorbell is capped so that they are.
 #pragma once
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -17,8 +20,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <string>
 #include <string_view>
 #include <utility>
