@@ -132,7 +132,7 @@ TEST_CASE("mpi over shared memory moves messages of every size through rings of 
           auto v = t.wait_view(recvs[static_cast<std::size_t>(k)], soon());
           REQUIRE((v.data || want.empty()));
           REQUIRE(v.bytes == want.size());
-          CHECK(std::memcmp(v.data, want.data(), want.size()) == 0);
+          CHECK((want.empty() || std::memcmp(v.data, want.data(), want.size()) == 0));  // no memcmp of null
           t.release(v);
         }
       }
