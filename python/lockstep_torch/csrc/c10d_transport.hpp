@@ -1,0 +1,299 @@
+// python/lockstep_torch/csrc/c10d_transport.hpp: lockstep's transport concept over the
+// point-to-point send/recv of a torch.distributed (c10d) process group: Gloo on CPU.
+//
+//   lockstep_torch::c10d_transport t(process_group, channel);      // any c10d::ProcessGroup
+//   lockstep::group<lockstep_torch::c10d_transport> g(std::move(t));
+//
+// It lives with the Python package, not in include/lockstep/: it needs libtorch, and the core
+// headers compile without it. Ranks and rendezvous are the process group's (torchrun, mpirun, a
+// store); no MPI is needed.
+//
+// Framing. Gloo's unbound-buffer receive does not check sizes: a shorter message completes as a
+// silent truncation, a longer one fails an enforce in Gloo's device thread and ends the process.
+// The concept wants a message of another size to be errc::mismatch, so every message goes as a
+// 64-byte frame (magic, the sender's byte count, up to 48 bytes inline) followed, when it is longer
+// than that, by its payload as a second message. A receive posts only the frame; once the frame
+// has arrived and its count equals the posted one, wait() posts the payload receive into the
+// caller's buffer. A lockstep collective header (48 bytes) is therefore one message, a data segment
+// two (one round trip more before its bytes flow; at 1 MiB segments the transfer dominates).
+//
+// Tags. c10d tags are non-negative ints; lockstep's are below 2^25. The c10d tag is
+// 2^30 | channel·2^26 | tag·2 | (0 frame, 1 payload): up to 16 channels, so several lockstep
+// groups over one process group (a DDP hook's state, a plain all_reduce) never meet each other's
+// messages. Ranks must number their channels alike (lockstep_torch gives them out in creation order
+// per process group, as torch gives out new_group's). Tags 0 .. 2^30 stay the user's.
+//
+// Waiting. c10d's Gloo work has no non-blocking test, only wait(timeout), so every wait is one
+// blocking call bounded by the remaining time to the deadline. Gloo treats a timed-out receive as
+// fatal for its context: it closes every pair, so the peers' pending operations fail at once too
+// (what lockstep's abort would want), and the process group cannot be used afterwards.
+//
+// abort() marks this endpoint failed: later calls throw errc::aborted. c10d has no way to tell the
+// peers; they stop at their own timeouts (or when a Gloo timeout closes the pairs).
+//
+// Limits: one message carries at most INT_MAX bytes. Destroying an unfinished request releases its
+// c10d work and with it Gloo's buffer: Gloo drops operations on a buffer that is gone, so no peer
+// reads or writes this memory afterwards, but a message cut off midway leaves that pair unusable,
+// and a failed group should not be used again.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <lockstep/core/error.hpp>
+#include <lockstep/transport/concept.hpp>
+
+namespace lockstep_torch {
+
+namespace lt = lockstep::transport;
+
+namespace detail {
+
+// What precedes every message: 64 bytes, so a lockstep collective header travels inline.
+struct frame {
+  static constexpr std::uint32_t magic_value = 0x4c4b5446;  // "LKTF"
+  static constexpr std::size_t inline_capacity = 48;
+  std::uint32_t magic = magic_value;
+  std::uint32_t reserved = 0;
+  std::uint64_t bytes = 0;  // the sender's message size
+  std::array<std::byte, inline_capacity> data{};
+};
+static_assert(sizeof(frame) == 64);
+
+// What all copies of one endpoint share.
+struct c10d_state {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  int rank = 0, size = 0, channel = 0;
+  std::string backend;
+  std::mutex m;
+  std::atomic<bool> aborted{false};
+  std::string abort_reason;
+};
+
+// A CPU byte tensor over memory lockstep owns; c10d keeps it in its work, never frees it.
+inline at::Tensor bytes_view(const void* p, std::size_t n) {
+  return at::from_blob(const_cast<void*>(p), {static_cast<std::int64_t>(n)},
+                       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
+
+}  // namespace detail
+
+class c10d_transport {
+ public:
+  // The executor's pipelining unit, as mpi_p2p's: Gloo's TCP pairs move a 1 MiB message at full rate.
+  static constexpr std::size_t segment_bytes = std::size_t{1} << 20;
+  static constexpr int max_channels = 16;
+  static constexpr std::uint32_t max_tag = (std::uint32_t{1} << 25) - 1;
+
+  // One posted send or receive; move-only. Member order matters: the c10d works (which hold Gloo's
+  // buffers over frame_ and the caller's memory) are released before the frame they point into.
+  class request {
+   public:
+    request() = default;
+    request(request&&) noexcept = default;
+    request& operator=(request&&) noexcept = default;
+    request(const request&) = delete;
+    request& operator=(const request&) = delete;
+
+    bool done() const noexcept { return done_; }
+
+   private:
+    friend class c10d_transport;
+    std::unique_ptr<detail::frame> frame_;
+    c10::intrusive_ptr<c10d::Work> frame_work_;
+    c10::intrusive_ptr<c10d::Work> payload_work_;
+    void* dst_ = nullptr;  // receives: where the payload goes
+    std::size_t bytes_ = 0;
+    std::uint32_t tag_ = 0;
+    int peer_ = -1;
+    bool recv_ = false;
+    bool frame_done_ = false;
+    bool done_ = true;
+  };
+
+  c10d_transport() = default;
+  // An endpoint over `pg` using tag channel `channel` (0..15); ranks must pass the same channel.
+  c10d_transport(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel) {
+    if (!pg) throw lockstep::error(lockstep::errc::invalid_argument, "c10d", -1, -1, "no process group");
+    if (channel < 0 || channel >= max_channels)
+      throw lockstep::error(lockstep::errc::invalid_argument, "c10d", pg->getRank(), -1,
+                            "channel " + std::to_string(channel) + " outside 0.." + std::to_string(max_channels - 1) +
+                                " (at most 16 lockstep groups over one process group)");
+    s_ = std::make_shared<detail::c10d_state>();
+    s_->rank = pg->getRank();
+    s_->size = pg->getSize();
+    s_->channel = channel;
+    s_->backend = pg->getBackendName();
+    s_->pg = std::move(pg);
+  }
+
+  int rank() const noexcept { return s_ ? s_->rank : 0; }
+  int size() const noexcept { return s_ ? s_->size : 0; }
+  std::string name() const { return s_ ? "c10d(" + s_->backend + ")" : "c10d"; }
+  int channel() const noexcept { return s_ ? s_->channel : -1; }
+
+  request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
+    check(peer, tag, bytes, "send");
+    request r;
+    r.frame_ = std::make_unique<detail::frame>();
+    r.frame_->bytes = bytes;
+    const bool inline_data = bytes <= detail::frame::inline_capacity;
+    if (inline_data && bytes > 0) std::memcpy(r.frame_->data.data(), data, bytes);
+    r.peer_ = peer;
+    r.tag_ = tag;
+    r.bytes_ = bytes;
+    r.done_ = false;
+    r.frame_work_ = post(true, peer, c10d_tag(tag, 0), r.frame_.get(), sizeof(detail::frame));
+    if (!inline_data) r.payload_work_ = post(true, peer, c10d_tag(tag, 1), data, bytes);
+    return r;
+  }
+
+  // Posts the frame's receive; the payload's is posted by wait() once the frame says its size.
+  request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
+    check(peer, tag, bytes, "recv");
+    request r;
+    r.frame_ = std::make_unique<detail::frame>();
+    r.frame_->magic = 0;
+    r.dst_ = data;
+    r.bytes_ = bytes;
+    r.peer_ = peer;
+    r.tag_ = tag;
+    r.recv_ = true;
+    r.done_ = false;
+    r.frame_work_ = post(false, peer, c10d_tag(tag, 0), r.frame_.get(), sizeof(detail::frame));
+    return r;
+  }
+
+  // Finishes a request; false when the deadline passed first (Gloo then closes the context).
+  bool wait(request& r, lt::clock::time_point deadline) {
+    if (r.done_) return true;
+    if (!r.frame_) throw lockstep::error(lockstep::errc::invalid_argument, "wait", rank(), r.peer_, "empty request");
+    const char* op = r.recv_ ? "recv" : "send";
+    throw_if_aborted(op, r.peer_);
+    if (!r.frame_done_) {
+      if (!finish(r.frame_work_, deadline, op, r.peer_)) return false;
+      r.frame_done_ = true;
+      if (r.recv_) {
+        const detail::frame& f = *r.frame_;
+        if (f.magic != detail::frame::magic_value) {
+          r.done_ = true;
+          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
+                                "the peer sent something that is not a lockstep_torch frame (tag " +
+                                    std::to_string(r.tag_) + " on channel " + std::to_string(channel()) + ")");
+        }
+        if (f.bytes != r.bytes_) {
+          r.done_ = true;
+          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
+                                "expected a message of " + std::to_string(r.bytes_) + " bytes, the peer sent " +
+                                    std::to_string(f.bytes) + " (tag " + std::to_string(r.tag_) + ")");
+        }
+        if (r.bytes_ <= detail::frame::inline_capacity) {
+          if (r.bytes_ > 0) std::memcpy(r.dst_, f.data.data(), r.bytes_);
+        } else {
+          r.payload_work_ = post(false, r.peer_, c10d_tag(r.tag_, 1), r.dst_, r.bytes_);
+        }
+      }
+    }
+    if (r.payload_work_ && !finish(r.payload_work_, deadline, op, r.peer_)) return false;
+    r.done_ = true;
+    r.payload_work_.reset();
+    r.frame_work_.reset();
+    return true;
+  }
+
+  // A receive's bytes are in its own buffer: fn reads them there.
+  template <class F>
+  bool consume(request& r, lt::clock::time_point deadline, F&& fn) {
+    if (!wait(r, deadline)) return false;
+    fn(static_cast<const std::byte*>(r.dst_));
+    return true;
+  }
+
+  // Marks this endpoint and every copy failed; true when this call did (not an earlier one).
+  bool abort(const std::string& reason) {
+    if (!s_) return false;
+    std::lock_guard lk(s_->m);
+    if (s_->aborted.load()) return false;
+    s_->abort_reason = reason;
+    s_->aborted.store(true);
+    return true;
+  }
+  bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_relaxed); }
+
+ private:
+  int c10d_tag(std::uint32_t tag, int part) const noexcept {
+    return static_cast<int>((std::uint32_t{1} << 30) | (static_cast<std::uint32_t>(s_->channel) << 26) | (tag << 1) |
+                            static_cast<std::uint32_t>(part));
+  }
+
+  void throw_if_aborted(const char* op, int peer) const {
+    if (!s_ || !s_->aborted.load(std::memory_order_relaxed)) return;
+    std::lock_guard lk(s_->m);
+    throw lockstep::error(lockstep::errc::aborted, op, s_->rank, peer, "this endpoint failed earlier: " + s_->abort_reason);
+  }
+
+  void check(int peer, std::uint32_t tag, std::size_t bytes, const char* op) const {
+    if (!s_) throw lockstep::error(lockstep::errc::invalid_argument, op, -1, peer, "endpoint not connected to a process group");
+    throw_if_aborted(op, peer);
+    if (peer < 0 || peer >= s_->size)
+      throw lockstep::error(lockstep::errc::invalid_argument, op, s_->rank, peer,
+                            "peer out of range for a group of " + std::to_string(s_->size));
+    if (peer == s_->rank)
+      throw lockstep::error(lockstep::errc::invalid_argument, op, s_->rank, peer, "c10d cannot send to its own rank");
+    if (tag > max_tag)
+      throw lockstep::error(lockstep::errc::invalid_argument, op, s_->rank, peer,
+                            "tag " + std::to_string(tag) + " above " + std::to_string(max_tag));
+    if (bytes > static_cast<std::size_t>(INT_MAX))
+      throw lockstep::error(lockstep::errc::invalid_argument, op, s_->rank, peer,
+                            "message of " + std::to_string(bytes) + " bytes exceeds INT_MAX; use smaller segments");
+  }
+
+  // One c10d send or receive of `bytes` at `p`; c10d's own errors become errc::transport.
+  c10::intrusive_ptr<c10d::Work> post(bool send, int peer, int tag, const void* p, std::size_t bytes) {
+    std::vector<at::Tensor> t{detail::bytes_view(p, bytes)};
+    try {
+      return send ? s_->pg->send(t, peer, tag) : s_->pg->recv(t, peer, tag);
+    } catch (const std::exception& e) {
+      throw lockstep::error(lockstep::errc::transport, send ? "send" : "recv", s_->rank, peer,
+                            std::string(send ? "ProcessGroup::send: " : "ProcessGroup::recv: ") + e.what());
+    }
+  }
+
+  // Waits for one c10d work until the deadline: false when it ran out, errc::transport on errors.
+  bool finish(c10::intrusive_ptr<c10d::Work>& w, lt::clock::time_point deadline, const char* op, int peer) {
+    using std::chrono::milliseconds;
+    // Gloo's wait takes milliseconds and treats 0 as "now": at least 1 ms, rounded up.
+    const auto left = std::chrono::ceil<milliseconds>(deadline - lt::clock::now());
+    const milliseconds ms = std::max(left, milliseconds(1));
+    bool ok = false;
+    try {
+      ok = w->wait(ms);
+    } catch (const std::exception& e) {
+      // Gloo reports its timeout as an exception like any other failure; the clock tells which.
+      if (lt::clock::now() + milliseconds(1) >= deadline) return false;
+      throw lockstep::error(lockstep::errc::transport, op, s_->rank, peer, std::string("c10d work: ") + e.what());
+    }
+    if (!ok) throw lockstep::error(lockstep::errc::transport, op, s_->rank, peer, "c10d work was aborted");
+    return true;
+  }
+
+  std::shared_ptr<detail::c10d_state> s_;
+};
+
+static_assert(lt::transport<c10d_transport>);
+
+}  // namespace lockstep_torch
