@@ -13,8 +13,7 @@
 // The concept wants a message of another size to be errc::mismatch, so every message goes as a
 // 64-byte frame (magic, the sender's byte count, up to 48 bytes inline) followed, when it is longer
 // than that, by its payload as a second message. A receive posts only the frame; once the frame
-// has arrived and its count equals the posted one, wait() posts the payload receive into the
-// caller's buffer. A lockstep collective header (48 bytes) is therefore one message, a data segment
+// has arrived and its count equals the posted one, wait() posts the payload's receive. A lockstep collective header (48 bytes) is therefore one message, a data segment
 // two (one round trip more before its bytes flow; at 1 MiB segments the transfer dominates).
 //
 // Tags. c10d tags are non-negative ints; lockstep's are below 2^25. The c10d tag is
@@ -31,10 +30,18 @@
 // abort() marks this endpoint failed: later calls throw errc::aborted. c10d has no way to tell the
 // peers; they stop at their own timeouts (or when a Gloo timeout closes the pairs).
 //
-// Limits: one message carries at most INT_MAX bytes. Destroying an unfinished request releases its
-// c10d work and with it Gloo's buffer: Gloo drops operations on a buffer that is gone, so no peer
-// reads or writes this memory afterwards, but a message cut off midway leaves that pair unusable,
-// and a failed group should not be used again.
+// Memory. Gloo cannot cancel a point-to-point operation, and a buffer that goes while its operation
+// is pending leaves a dead operation in the pair that stalls every later message on it (seen: the
+// withdrawn sends of one failed call stopped the next calls' headers on the same process group).
+// So every message lives in memory the transport owns: a send copies the caller's bytes into a
+// pooled buffer (one memcpy per byte sent), a receive lands in one and consume() reads it there
+// (a reduce step decode-adds from it, a copy step copies it into place, as over MPI); and a request
+// destroyed unfinished (its collective failed) hands its c10d work and memory to a process-wide
+// graveyard, where Gloo may finish them whenever the peer gets to them. Only failed calls add to it.
+// An unfinished send so still reaches its peer, as an eager send would: a rank that fails on a
+// mismatch before its header went out does not leave the peer to its timeout.
+//
+// Limits: one message carries at most INT_MAX bytes.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -74,6 +81,30 @@ struct frame {
 };
 static_assert(sizeof(frame) == 64);
 
+// Memory a message lives in while c10d works on it: owned by the transport, never the caller's.
+using bytes_buffer = std::unique_ptr<std::byte[]>;
+
+struct pooled {
+  bytes_buffer data;
+  std::size_t capacity = 0;
+};
+
+// Unfinished c10d works with the memory they point into, kept for the life of the process.
+// Gloo cannot cancel a point-to-point operation: a buffer that goes while its operation is pending
+// leaves a dead operation in the pair, and the pair then stalls every later message (measured: a
+// failed call's withdrawn sends stopped the next calls' headers on the same process group).
+// So a request that goes unfinished (its collective failed) hands its work and memory here, where
+// Gloo may finish them whenever the peer gets to them. Only failed calls add to it.
+struct graveyard {
+  std::mutex m;
+  std::vector<std::pair<std::unique_ptr<frame>, c10::intrusive_ptr<c10d::Work>>> frames;
+  std::vector<std::pair<pooled, c10::intrusive_ptr<c10d::Work>>> payloads;
+  static graveyard& get() {
+    static graveyard* g = new graveyard;  // never destroyed: Gloo's threads outlive static destructors
+    return *g;
+  }
+};
+
 // What all copies of one endpoint share.
 struct c10d_state {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -82,6 +113,25 @@ struct c10d_state {
   std::mutex m;
   std::atomic<bool> aborted{false};
   std::string abort_reason;
+  std::vector<pooled> pool;  // payload buffers of finished requests, for the next ones
+
+  pooled take(std::size_t bytes) {
+    {
+      std::lock_guard lk(m);
+      for (auto it = pool.begin(); it != pool.end(); ++it)
+        if (it->capacity >= bytes) {
+          pooled p = std::move(*it);
+          pool.erase(it);
+          return p;
+        }
+    }
+    return {bytes_buffer(new std::byte[bytes]), bytes};
+  }
+  void give_back(pooled p) {
+    if (!p.data) return;
+    std::lock_guard lk(m);
+    if (pool.size() < 64) pool.push_back(std::move(p));
+  }
 };
 
 // A CPU byte tensor over memory lockstep owns; c10d keeps it in its work, never frees it.
@@ -99,24 +149,59 @@ class c10d_transport {
   static constexpr int max_channels = 16;
   static constexpr std::uint32_t max_tag = (std::uint32_t{1} << 25) - 1;
 
-  // One posted send or receive; move-only. Member order matters: the c10d works (which hold Gloo's
-  // buffers over frame_ and the caller's memory) are released before the frame they point into.
+  // One posted send or receive; move-only. Its bytes live in memory it owns (the frame, and a
+  // payload buffer from the endpoint's pool): a send copies the caller's bytes there, a receive is
+  // read there by consume(). Destroying an unfinished request hands its work and memory to the
+  // graveyard (above), since Gloo cannot withdraw them; the caller's memory is never touched again.
   class request {
    public:
     request() = default;
-    request(request&&) noexcept = default;
-    request& operator=(request&&) noexcept = default;
+    request(request&& o) noexcept { *this = std::move(o); }
+    request& operator=(request&& o) noexcept {
+      if (this != &o) {
+        release();
+        s_ = std::move(o.s_);
+        frame_ = std::move(o.frame_);
+        payload_ = std::move(o.payload_);
+        frame_work_ = std::move(o.frame_work_);
+        payload_work_ = std::move(o.payload_work_);
+        dst_ = o.dst_;
+        bytes_ = o.bytes_;
+        tag_ = o.tag_;
+        peer_ = o.peer_;
+        recv_ = o.recv_;
+        frame_done_ = o.frame_done_;
+        done_ = std::exchange(o.done_, true);
+      }
+      return *this;
+    }
     request(const request&) = delete;
     request& operator=(const request&) = delete;
+    ~request() { release(); }
 
     bool done() const noexcept { return done_; }
 
    private:
     friend class c10d_transport;
+
+    void release() noexcept {
+      if (frame_work_ || payload_work_) {
+        auto& g = detail::graveyard::get();
+        std::lock_guard lk(g.m);
+        if (frame_work_) g.frames.emplace_back(std::move(frame_), std::move(frame_work_));
+        if (payload_work_) g.payloads.emplace_back(std::move(payload_), std::move(payload_work_));
+      }
+      if (s_) s_->give_back(std::move(payload_));
+      frame_.reset();
+      done_ = true;
+    }
+
+    std::shared_ptr<detail::c10d_state> s_;
     std::unique_ptr<detail::frame> frame_;
-    c10::intrusive_ptr<c10d::Work> frame_work_;
-    c10::intrusive_ptr<c10d::Work> payload_work_;
-    void* dst_ = nullptr;  // receives: where the payload goes
+    detail::pooled payload_;
+    c10::intrusive_ptr<c10d::Work> frame_work_;    // null once finished
+    c10::intrusive_ptr<c10d::Work> payload_work_;  // null once finished
+    void* dst_ = nullptr;  // receives: where wait() copies the bytes
     std::size_t bytes_ = 0;
     std::uint32_t tag_ = 0;
     int peer_ = -1;
@@ -149,6 +234,7 @@ class c10d_transport {
   request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
     check(peer, tag, bytes, "send");
     request r;
+    r.s_ = s_;
     r.frame_ = std::make_unique<detail::frame>();
     r.frame_->bytes = bytes;
     const bool inline_data = bytes <= detail::frame::inline_capacity;
@@ -158,7 +244,11 @@ class c10d_transport {
     r.bytes_ = bytes;
     r.done_ = false;
     r.frame_work_ = post(true, peer, c10d_tag(tag, 0), r.frame_.get(), sizeof(detail::frame));
-    if (!inline_data) r.payload_work_ = post(true, peer, c10d_tag(tag, 1), data, bytes);
+    if (!inline_data) {
+      r.payload_ = s_->take(bytes);
+      std::memcpy(r.payload_.data.get(), data, bytes);
+      r.payload_work_ = post(true, peer, c10d_tag(tag, 1), r.payload_.data.get(), bytes);
+    }
     return r;
   }
 
@@ -166,6 +256,7 @@ class c10d_transport {
   request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
     check(peer, tag, bytes, "recv");
     request r;
+    r.s_ = s_;
     r.frame_ = std::make_unique<detail::frame>();
     r.frame_->magic = 0;
     r.dst_ = data;
@@ -178,48 +269,21 @@ class c10d_transport {
     return r;
   }
 
-  // Finishes a request; false when the deadline passed first (Gloo then closes the context).
+  // Finishes a request; false when the deadline passed first (Gloo then closes the context). A
+  // receive's bytes are then in the caller's buffer.
   bool wait(request& r, lt::clock::time_point deadline) {
-    if (r.done_) return true;
-    if (!r.frame_) throw lockstep::error(lockstep::errc::invalid_argument, "wait", rank(), r.peer_, "empty request");
-    const char* op = r.recv_ ? "recv" : "send";
-    throw_if_aborted(op, r.peer_);
-    if (!r.frame_done_) {
-      if (!finish(r.frame_work_, deadline, op, r.peer_)) return false;
-      r.frame_done_ = true;
-      if (r.recv_) {
-        const detail::frame& f = *r.frame_;
-        if (f.magic != detail::frame::magic_value) {
-          r.done_ = true;
-          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
-                                "the peer sent something that is not a lockstep_torch frame (tag " +
-                                    std::to_string(r.tag_) + " on channel " + std::to_string(channel()) + ")");
-        }
-        if (f.bytes != r.bytes_) {
-          r.done_ = true;
-          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
-                                "expected a message of " + std::to_string(r.bytes_) + " bytes, the peer sent " +
-                                    std::to_string(f.bytes) + " (tag " + std::to_string(r.tag_) + ")");
-        }
-        if (r.bytes_ <= detail::frame::inline_capacity) {
-          if (r.bytes_ > 0) std::memcpy(r.dst_, f.data.data(), r.bytes_);
-        } else {
-          r.payload_work_ = post(false, r.peer_, c10d_tag(r.tag_, 1), r.dst_, r.bytes_);
-        }
-      }
-    }
-    if (r.payload_work_ && !finish(r.payload_work_, deadline, op, r.peer_)) return false;
-    r.done_ = true;
-    r.payload_work_.reset();
-    r.frame_work_.reset();
+    const std::byte* at = nullptr;
+    if (!finish_request(r, deadline, at)) return false;
+    if (r.recv_ && at && r.bytes_ > 0) std::memcpy(r.dst_, at, r.bytes_);
     return true;
   }
 
-  // A receive's bytes are in its own buffer: fn reads them there.
+  // A receive's bytes are read where they arrived: the frame (up to 48 bytes) or the payload buffer.
   template <class F>
   bool consume(request& r, lt::clock::time_point deadline, F&& fn) {
-    if (!wait(r, deadline)) return false;
-    fn(static_cast<const std::byte*>(r.dst_));
+    const std::byte* at = nullptr;
+    if (!finish_request(r, deadline, at)) return false;
+    fn(at ? at : static_cast<const std::byte*>(r.dst_));
     return true;
   }
 
@@ -235,6 +299,50 @@ class c10d_transport {
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_relaxed); }
 
  private:
+  // Waits for r's frame and payload; `at` is where a receive's bytes are (null when wait() already
+  // copied them to the caller's buffer).
+  bool finish_request(request& r, lt::clock::time_point deadline, const std::byte*& at) {
+    if (r.done_) {
+      at = r.recv_ ? received_at(r) : nullptr;
+      return true;
+    }
+    if (!r.frame_) throw lockstep::error(lockstep::errc::invalid_argument, "wait", rank(), r.peer_, "empty request");
+    const char* op = r.recv_ ? "recv" : "send";
+    throw_if_aborted(op, r.peer_);
+    if (!r.frame_done_) {
+      if (!finish(r.frame_work_, deadline, op, r.peer_)) return false;
+      r.frame_work_.reset();
+      r.frame_done_ = true;
+      if (r.recv_) {
+        const detail::frame& f = *r.frame_;
+        if (f.magic != detail::frame::magic_value)
+          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
+                                "the peer sent something that is not a lockstep_torch frame (tag " +
+                                    std::to_string(r.tag_) + " on channel " + std::to_string(channel()) + ")");
+        if (f.bytes != r.bytes_)
+          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
+                                "expected a message of " + std::to_string(r.bytes_) + " bytes, the peer sent " +
+                                    std::to_string(f.bytes) + " (tag " + std::to_string(r.tag_) + ")");
+        if (r.bytes_ > detail::frame::inline_capacity) {
+          r.payload_ = s_->take(r.bytes_);
+          r.payload_work_ = post(false, r.peer_, c10d_tag(r.tag_, 1), r.payload_.data.get(), r.bytes_);
+        }
+      }
+    }
+    if (r.payload_work_) {
+      if (!finish(r.payload_work_, deadline, op, r.peer_)) return false;
+      r.payload_work_.reset();
+    }
+    r.done_ = true;
+    at = r.recv_ ? received_at(r) : nullptr;
+    return true;
+  }
+
+  static const std::byte* received_at(const request& r) {
+    if (r.bytes_ > detail::frame::inline_capacity) return r.payload_.data.get();
+    return r.frame_ ? r.frame_->data.data() : nullptr;
+  }
+
   int c10d_tag(std::uint32_t tag, int part) const noexcept {
     return static_cast<int>((std::uint32_t{1} << 30) | (static_cast<std::uint32_t>(s_->channel) << 26) | (tag << 1) |
                             static_cast<std::uint32_t>(part));
