@@ -6,7 +6,7 @@
 
     bench/torch_ddp/torch_ddp.py [--model resnet18|fashion_cnn] [--world 4] [--steps 5] [--warmup 2]
         [--batch 8] [--image 32] [--codecs fp32,bf16,int8,dyntree8] [--topology torus2d]
-        [--rounds 1] [--json] [--build DIR]
+        [--rounds 1] [--segment-bytes B] [--json] [--build DIR]
     one rank per process (bench/torch_ddp/netlab runs it so):  --rank R --world N --init tcp://H:P
 
 Without --rank it spawns --world ranks on this machine (Gloo over loopback, a file store).
@@ -88,7 +88,8 @@ def rank_main(rank, world, init, a):
     for v in variants:
         if v.startswith("lockstep:"):
             c = v.split(":")[1]
-            states[v] = lt.State(codec=c, error_feedback=c != "fp32", topology=a.topology)
+            states[v] = lt.State(codec=c, error_feedback=c != "fp32", topology=a.topology,
+                                 segment_bytes=a.segment_bytes)
 
     def slowest(seconds):
         t = torch.tensor([seconds])
@@ -205,7 +206,7 @@ def rank_main(rank, world, init, a):
         rows.append({"variant": v, "step_ms": r["step"], "exposed_ms": r["exposed"], "comm_ms": r["comm"]})
     base = {row["variant"]: row.get("comm_ms") for row in rows}
     meta = {"bench": "torch_ddp", "model": a.model, "params": params, "world": world, "batch": a.batch,
-            "buckets": len(sizes), "bucket_elems": sizes, "topology": a.topology, "steps": a.steps,
+            "buckets": len(sizes), "bucket_elems": sizes, "topology": a.topology, "segment_bytes": a.segment_bytes, "steps": a.steps,
             "rounds": a.rounds, "torch": torch.__version__, "threads": a.threads, "label": a.label}
     for row in rows:
         if "comm_ms" in row:
@@ -247,6 +248,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--codecs", default="fp32,bf16,int8,dyntree8")
     ap.add_argument("--topology", default="torus2d")
+    ap.add_argument("--segment-bytes", type=int, default=0, help="lockstep's pipelining unit (0: 1 MiB)")
     ap.add_argument("--label", default="", help="recorded on every JSON line (netlab passes its link rate)")
     ap.add_argument("--build", default="")
     ap.add_argument("--json", action="store_true")

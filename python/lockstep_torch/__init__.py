@@ -49,12 +49,12 @@ def _seconds(timeout):
     return float(timeout)
 
 
-def _engine(process_group, timeout):
+def _engine(process_group, timeout, segment_bytes=0):
     with _lock:
         channel = _channels.get(process_group, 0)
         if channel >= _C.max_channels:
             raise Error(f"lockstep_torch: at most {_C.max_channels} lockstep groups over one process group")
-        engine = _C.Engine(process_group, channel, _seconds(timeout))
+        engine = _C.Engine(process_group, channel, _seconds(timeout), int(segment_bytes))
         _channels[process_group] = channel + 1
         return engine
 
@@ -66,11 +66,12 @@ class State:
     DDP rebuilds its buckets after the first iteration, so error feedback starts with the second
     (as PowerSGD's state starts after it); a bucket whose size changes after that is an Error.
     codec: fp32, bf16, int8 or dyntree8; topology: ring, torus2d or torus2d:RxC; error_feedback
-    is ignored for fp32 (lossless); timeout in seconds (or a timedelta) bounds every wait.
+    is ignored for fp32 (lossless); timeout in seconds (or a timedelta) bounds every wait;
+    segment_bytes is the pipelining unit of large buckets (0: 1 MiB); ranks must agree on it.
     """
 
     def __init__(self, process_group=None, codec="dyntree8", error_feedback=True, topology="torus2d",
-                 timeout=300.0):
+                 timeout=300.0, segment_bytes=0):
         self.process_group = _group_of(process_group)
         self.codec = codec
         self.error_feedback = bool(error_feedback)
@@ -78,7 +79,7 @@ class State:
         self.iteration = 0
         # Names and the torus shape are checked now, not in backward.
         _C.check_settings(codec, topology, self.process_group.rank(), self.process_group.size())
-        self._engine = _engine(self.process_group, timeout)
+        self._engine = _engine(self.process_group, timeout, segment_bytes)
 
     def reduce_bucket(self, tensor, bucket_index, done):
         """Starts the averaging all-reduce of one bucket; done(None) or done(message) follows."""

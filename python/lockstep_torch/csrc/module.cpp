@@ -117,8 +117,8 @@ struct py_callback {
 
 class engine {
  public:
-  engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel, double timeout_s)
-      : g_(std::make_unique<group_t>(c10d_transport(std::move(pg), channel), options(timeout_s))) {}
+  engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel, double timeout_s, std::size_t segment_bytes)
+      : g_(std::make_unique<group_t>(c10d_transport(std::move(pg), channel), options(timeout_s, segment_bytes))) {}
 
   engine(const engine&) = delete;
   engine& operator=(const engine&) = delete;
@@ -136,6 +136,7 @@ class engine {
   int size() const { return g_->size(); }
   std::string name() const { return g_->name(); }
   double timeout() const { return std::chrono::duration<double>(g_->options().timeout).count(); }
+  std::size_t segment_bytes() const { return g_->segment_bytes(); }
 
   // Reduces `t` in place, now; sum or average over the group.
   void all_reduce(at::Tensor t, const std::string& codec, const std::string& topology, const std::string& op) {
@@ -202,12 +203,13 @@ class engine {
   }
 
  private:
-  static ls::group_options options(double timeout_s) {
+  static ls::group_options options(double timeout_s, std::size_t segment_bytes) {
     if (!(timeout_s > 0))
       throw ls::error(ls::errc::invalid_argument, "lockstep_torch", -1, -1,
                       "timeout must be a positive number of seconds, not " + std::to_string(timeout_s));
     ls::group_options o;
     o.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000.0 + 0.5));
+    o.segment_bytes = segment_bytes;  // 0: the transport's 1 MiB
     return o;
   }
 
@@ -294,12 +296,13 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   py::class_<engine>(m, "Engine")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int, double>(), py::arg("process_group"), py::arg("channel"),
-           py::arg("timeout"))
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int, double, std::size_t>(), py::arg("process_group"),
+           py::arg("channel"), py::arg("timeout"), py::arg("segment_bytes") = 0)
       .def_property_readonly("rank", &engine::rank)
       .def_property_readonly("size", &engine::size)
       .def_property_readonly("name", &engine::name)
       .def_property_readonly("timeout", &engine::timeout)
+      .def_property_readonly("segment_bytes", &engine::segment_bytes)
       .def("all_reduce", &engine::all_reduce, py::arg("tensor"), py::arg("codec"), py::arg("topology"), py::arg("op"))
       .def("reduce_bucket_async", &engine::reduce_bucket_async, py::arg("tensor"), py::arg("codec"), py::arg("topology"),
            py::arg("bucket_index"), py::arg("done"))
