@@ -3,6 +3,7 @@
   a tensor that is not contiguous float32 (all_reduce, the hook's path, and a float64 DDP model
   whose backward then raises); unknown codec, topology, op; a torus shape that does not fit;
   a bucket whose size changes under error feedback (a bucket that only moves keeps its residuals);
+  the transport alone: a message shorter than posted is errc::mismatch, never a truncation;
   settings that differ between the ranks (codec, topology, element count): both ranks fail with
   errc::mismatch naming both sides; a peer that never calls: errc::timeout after the State's
   2-second timeout (last: a Gloo timeout closes the process group's connections).
@@ -87,6 +88,18 @@ def body(rank, world):
         # The failed group stays failed: later calls say so at once.
         msg = collect(state, torch.ones(n), -1)
         assert msg is not None and "failed earlier" in msg, f"rank {rank}: after a mismatch: {msg}"
+
+    # The transport alone: a message shorter than the receive posted is a mismatch, never a
+    # truncation (inline-sized, around the 16-byte trailer, empty, multi-MiB); equal sizes arrive whole.
+    pg = dist.distributed_c10d._get_default_group()
+    peer = 1 - rank
+    for tag, (sent, posted) in enumerate([(0, 0), (48, 48), (1000, 1000), (3 << 20, 3 << 20), (99, 100),
+                                          (84, 100), (92, 100), (0, 16), (10, 100), (1 << 20, (1 << 20) + 8)]):
+        if sent == posted:
+            lt._C._exchange(pg, lt._C.max_channels - 1, peer, tag, sent, posted, 20.0)
+        else:
+            expect(lambda: lt._C._exchange(pg, lt._C.max_channels - 1, peer, tag, sent, posted, 20.0),
+                   "mismatch", f"expected a message of {posted} bytes", me, f"(peer {peer})")
 
     # A peer that never calls: a timeout, not a hang.
     state = lt.State(codec="dyntree8", topology="ring", timeout=2)

@@ -8,24 +8,24 @@
 // headers compile without it. Ranks and rendezvous are the process group's (torchrun, mpirun, a
 // store); no MPI is needed.
 //
-// Framing. Gloo's unbound-buffer receive does not check sizes: a shorter message completes as a
+// Trailers. Gloo's unbound-buffer receive does not check sizes: a shorter message completes as a
 // silent truncation, a longer one fails an enforce in Gloo's device thread and ends the process.
-// The concept wants a message of another size to be errc::mismatch, so every message goes as a
-// 64-byte frame (magic, the sender's byte count, up to 48 bytes inline) followed, when it is longer
-// than that, by its payload as a second message. A receive posts the frame's receive and the
-// payload's at once (so both rendezvous overlap: posting the payload's only after the frame had
-// arrived cost a round trip per message, 40 ms per small all-reduce on two loaded cores), and
-// wait() compares the frame's count with the posted one: a shorter message, or any message where
-// a header was expected, is errc::mismatch naming the peer. The one case left to Gloo is a payload
-// longer than posted, which a peer cannot send once the collective headers agreed (they fix count,
-// codec, topology and segment size, and the executor posts data receives only after checking them;
-// a header is inline, so it never has a payload receive to overrun).
-
+// The concept wants a message of another size to be errc::mismatch, so every message carries a
+// 16-byte trailer (magic, its byte count) after its bytes, and a receive of n bytes posts n + 16
+// with the trailer's place zeroed: a message of the posted size leaves the magic and n there; a
+// shorter one leaves zeros or the tail of its own bytes and count (a count below 2^48 has zero
+// high bytes, which the magic has none of), and is errc::mismatch naming the peer. The one case
+// left to Gloo is a message longer than posted, which a peer cannot send once the collective's
+// headers agreed (they fix count, codec, topology and segment size, and the executor posts data
+// receives only after checking them; headers are all 48 bytes). One lockstep message is one Gloo
+// message: a separate 64-byte size frame before each payload was tried first and cost one more
+// rendezvous per message.
+//
 // Tags. c10d tags are non-negative ints; lockstep's are below 2^25. The c10d tag is
-// 2^30 | channel·2^26 | tag·2 | (0 frame, 1 payload): up to 16 channels, so several lockstep
-// groups over one process group (a DDP hook's state, a plain all_reduce) never meet each other's
-// messages. Ranks must number their channels alike (lockstep_torch gives them out in creation order
-// per process group, as torch gives out new_group's). Tags 0 .. 2^30 stay the user's.
+// 2^30 | channel·2^25 | tag: up to 32 channels, so several lockstep groups over one process group
+// (each State, the group of a plain all_reduce) never meet each other's messages. Ranks must
+// number their channels alike (lockstep_torch gives them out in creation order per process group,
+// as torch gives out new_group's). Tags below 2^30 stay the user's.
 //
 // Waiting. c10d's Gloo work has no non-blocking test, only wait(timeout), so every wait is one
 // blocking call bounded by the remaining time to the deadline. Gloo treats a timed-out receive as
@@ -39,14 +39,15 @@
 // is pending leaves a dead operation in the pair that stalls every later message on it (seen: the
 // withdrawn sends of one failed call stopped the next calls' headers on the same process group).
 // So every message lives in memory the transport owns: a send copies the caller's bytes into a
-// pooled buffer (one memcpy per byte sent), a receive lands in one and consume() reads it there
-// (a reduce step decode-adds from it, a copy step copies it into place, as over MPI); and a request
-// destroyed unfinished (its collective failed) hands its c10d work and memory to a process-wide
-// graveyard, where Gloo may finish them whenever the peer gets to them. Only failed calls add to it.
-// An unfinished send so still reaches its peer, as an eager send would: a rank that fails on a
-// mismatch before its header went out does not leave the peer to its timeout.
+// pooled buffer (one memcpy per byte sent, which also makes room for the trailer), a receive
+// lands in one and consume() reads it there (a reduce step decode-adds from it, a copy step copies
+// it into place, as over MPI); and a request destroyed unfinished (its collective failed) hands its
+// c10d work and memory to a process-wide graveyard, where Gloo may finish them whenever the peer
+// gets to them. Only failed calls add to it. An unfinished send so still reaches its peer, as an
+// eager send would: a rank that fails on a mismatch before its header went out does not leave
+// the peer to its timeout.
 //
-// Limits: one message carries at most INT_MAX bytes.
+// Limits: one message carries at most INT_MAX - 16 bytes.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -75,35 +76,27 @@ namespace lt = lockstep::transport;
 
 namespace detail {
 
-// What precedes every message: 64 bytes, so a lockstep collective header travels inline.
-struct frame {
+// After every message's bytes.
+struct trailer {
   static constexpr std::uint32_t magic_value = 0x4c4b5446;  // "LKTF"
-  static constexpr std::size_t inline_capacity = 48;
   std::uint32_t magic = magic_value;
   std::uint32_t reserved = 0;
   std::uint64_t bytes = 0;  // the sender's message size
-  std::array<std::byte, inline_capacity> data{};
 };
-static_assert(sizeof(frame) == 64);
+static_assert(sizeof(trailer) == 16);
 
 // Memory a message lives in while c10d works on it: owned by the transport, never the caller's.
-using bytes_buffer = std::unique_ptr<std::byte[]>;
-
 struct pooled {
-  bytes_buffer data;
+  std::unique_ptr<std::byte[]> data;
   std::size_t capacity = 0;
 };
 
-// Unfinished c10d works with the memory they point into, kept for the life of the process.
-// Gloo cannot cancel a point-to-point operation: a buffer that goes while its operation is pending
-// leaves a dead operation in the pair, and the pair then stalls every later message (measured: a
-// failed call's withdrawn sends stopped the next calls' headers on the same process group).
-// So a request that goes unfinished (its collective failed) hands its work and memory here, where
-// Gloo may finish them whenever the peer gets to them. Only failed calls add to it.
+// Unfinished c10d works with the memory they point into, kept for the life of the process
+// (see "Memory" above). Only failed calls add to it.
 struct graveyard {
   std::mutex m;
-  std::vector<std::pair<std::unique_ptr<frame>, c10::intrusive_ptr<c10d::Work>>> frames;
-  std::vector<std::pair<pooled, c10::intrusive_ptr<c10d::Work>>> payloads;
+  std::vector<std::pair<pooled, c10::intrusive_ptr<c10d::Work>>> works;  // (memory before work:
+                                                                         // the work goes first)
   static graveyard& get() {
     static graveyard* g = new graveyard;  // never destroyed: Gloo's threads outlive static destructors
     return *g;
@@ -118,19 +111,22 @@ struct c10d_state {
   std::mutex m;
   std::atomic<bool> aborted{false};
   std::string abort_reason;
-  std::vector<pooled> pool;  // payload buffers of finished requests, for the next ones
+  std::vector<pooled> pool;  // buffers of finished requests, for the next ones
 
+  // A buffer of at least `bytes`: the smallest pooled one that fits, else a new one.
   pooled take(std::size_t bytes) {
     {
       std::lock_guard lk(m);
+      auto best = pool.end();
       for (auto it = pool.begin(); it != pool.end(); ++it)
-        if (it->capacity >= bytes) {
-          pooled p = std::move(*it);
-          pool.erase(it);
-          return p;
-        }
+        if (it->capacity >= bytes && (best == pool.end() || it->capacity < best->capacity)) best = it;
+      if (best != pool.end()) {
+        pooled p = std::move(*best);
+        pool.erase(best);
+        return p;
+      }
     }
-    return {bytes_buffer(new std::byte[bytes]), bytes};
+    return {std::unique_ptr<std::byte[]>(new std::byte[bytes]), bytes};
   }
   void give_back(pooled p) {
     if (!p.data) return;
@@ -139,10 +135,9 @@ struct c10d_state {
   }
 };
 
-// A CPU byte tensor over memory lockstep owns; c10d keeps it in its work, never frees it.
-inline at::Tensor bytes_view(const void* p, std::size_t n) {
-  return at::from_blob(const_cast<void*>(p), {static_cast<std::int64_t>(n)},
-                       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+// A CPU byte tensor over memory the transport owns; c10d keeps it in its work, never frees it.
+inline at::Tensor bytes_view(void* p, std::size_t n) {
+  return at::from_blob(p, {static_cast<std::int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
 }
 
 }  // namespace detail
@@ -151,13 +146,12 @@ class c10d_transport {
  public:
   // The executor's pipelining unit, as mpi_p2p's: Gloo's TCP pairs move a 1 MiB message at full rate.
   static constexpr std::size_t segment_bytes = std::size_t{1} << 20;
-  static constexpr int max_channels = 16;
+  static constexpr int max_channels = 32;
   static constexpr std::uint32_t max_tag = (std::uint32_t{1} << 25) - 1;
 
-  // One posted send or receive; move-only. Its bytes live in memory it owns (the frame, and a
-  // payload buffer from the endpoint's pool): a send copies the caller's bytes there, a receive is
-  // read there by consume(). Destroying an unfinished request hands its work and memory to the
-  // graveyard (above), since Gloo cannot withdraw them; the caller's memory is never touched again.
+  // One posted send or receive; move-only. Its bytes (and trailer) live in a buffer from the
+  // endpoint's pool. Destroying an unfinished request hands its work and buffer to the graveyard,
+  // since Gloo cannot withdraw them; the caller's memory is never touched again either way.
   class request {
    public:
     request() = default;
@@ -166,16 +160,14 @@ class c10d_transport {
       if (this != &o) {
         release();
         s_ = std::move(o.s_);
-        frame_ = std::move(o.frame_);
-        payload_ = std::move(o.payload_);
-        frame_work_ = std::move(o.frame_work_);
-        payload_work_ = std::move(o.payload_work_);
+        buf_ = std::move(o.buf_);
+        work_ = std::move(o.work_);
         dst_ = o.dst_;
         bytes_ = o.bytes_;
         tag_ = o.tag_;
         peer_ = o.peer_;
         recv_ = o.recv_;
-        frame_done_ = o.frame_done_;
+        checked_ = o.checked_;
         done_ = std::exchange(o.done_, true);
       }
       return *this;
@@ -190,39 +182,35 @@ class c10d_transport {
     friend class c10d_transport;
 
     void release() noexcept {
-      if (frame_work_ || payload_work_) {
+      if (work_) {
         auto& g = detail::graveyard::get();
         std::lock_guard lk(g.m);
-        if (frame_work_) g.frames.emplace_back(std::move(frame_), std::move(frame_work_));
-        if (payload_work_) g.payloads.emplace_back(std::move(payload_), std::move(payload_work_));
+        g.works.emplace_back(std::move(buf_), std::move(work_));
       }
-      if (s_) s_->give_back(std::move(payload_));
-      frame_.reset();
+      if (s_) s_->give_back(std::move(buf_));
       done_ = true;
     }
 
     std::shared_ptr<detail::c10d_state> s_;
-    std::unique_ptr<detail::frame> frame_;
-    detail::pooled payload_;
-    c10::intrusive_ptr<c10d::Work> frame_work_;    // null once finished
-    c10::intrusive_ptr<c10d::Work> payload_work_;  // null once finished
-    void* dst_ = nullptr;  // receives: where wait() copies the bytes
+    detail::pooled buf_;                  // (bytes + trailer)
+    c10::intrusive_ptr<c10d::Work> work_;  // null once finished
+    void* dst_ = nullptr;                 // receives: where wait() copies the bytes
     std::size_t bytes_ = 0;
     std::uint32_t tag_ = 0;
     int peer_ = -1;
     bool recv_ = false;
-    bool frame_done_ = false;
+    bool checked_ = false;  // receives: the trailer was found good
     bool done_ = true;
   };
 
   c10d_transport() = default;
-  // An endpoint over `pg` using tag channel `channel` (0..15); ranks must pass the same channel.
+  // An endpoint over `pg` using tag channel `channel` (0..31); ranks must pass the same channel.
   c10d_transport(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel) {
     if (!pg) throw lockstep::error(lockstep::errc::invalid_argument, "c10d", -1, -1, "no process group");
     if (channel < 0 || channel >= max_channels)
       throw lockstep::error(lockstep::errc::invalid_argument, "c10d", pg->getRank(), -1,
                             "channel " + std::to_string(channel) + " outside 0.." + std::to_string(max_channels - 1) +
-                                " (at most 16 lockstep groups over one process group)");
+                                " (at most " + std::to_string(max_channels) + " lockstep groups over one process group)");
     s_ = std::make_shared<detail::c10d_state>();
     s_->rank = pg->getRank();
     s_->size = pg->getSize();
@@ -238,61 +226,39 @@ class c10d_transport {
 
   request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
     check(peer, tag, bytes, "send");
-    request r;
-    r.s_ = s_;
-    r.frame_ = std::make_unique<detail::frame>();
-    r.frame_->bytes = bytes;
-    const bool inline_data = bytes <= detail::frame::inline_capacity;
-    if (inline_data && bytes > 0) std::memcpy(r.frame_->data.data(), data, bytes);
-    r.peer_ = peer;
-    r.tag_ = tag;
-    r.bytes_ = bytes;
+    request r = make(peer, tag, bytes, false);
+    if (bytes > 0) std::memcpy(r.buf_.data.get(), data, bytes);
+    const detail::trailer t{detail::trailer::magic_value, 0, bytes};
+    std::memcpy(r.buf_.data.get() + bytes, &t, sizeof t);
+    r.work_ = post(true, peer, tag, r.buf_.data.get(), bytes + sizeof t);
     r.done_ = false;
-    r.frame_work_ = post(true, peer, c10d_tag(tag, 0), r.frame_.get(), sizeof(detail::frame));
-    if (!inline_data) {
-      r.payload_ = s_->take(bytes);
-      std::memcpy(r.payload_.data.get(), data, bytes);
-      r.payload_work_ = post(true, peer, c10d_tag(tag, 1), r.payload_.data.get(), bytes);
-    }
     return r;
   }
 
-  // Posts the frame's receive, and the payload's when the message is longer than a frame carries.
+  // Posts a receive of bytes + trailer; wait() checks the trailer.
   request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
     check(peer, tag, bytes, "recv");
-    request r;
-    r.s_ = s_;
-    r.frame_ = std::make_unique<detail::frame>();
-    r.frame_->magic = 0;
+    request r = make(peer, tag, bytes, true);
     r.dst_ = data;
-    r.bytes_ = bytes;
-    r.peer_ = peer;
-    r.tag_ = tag;
-    r.recv_ = true;
+    std::memset(r.buf_.data.get() + bytes, 0, sizeof(detail::trailer));
+    r.work_ = post(false, peer, tag, r.buf_.data.get(), bytes + sizeof(detail::trailer));
     r.done_ = false;
-    r.frame_work_ = post(false, peer, c10d_tag(tag, 0), r.frame_.get(), sizeof(detail::frame));
-    if (bytes > detail::frame::inline_capacity) {
-      r.payload_ = s_->take(bytes);
-      r.payload_work_ = post(false, peer, c10d_tag(tag, 1), r.payload_.data.get(), bytes);
-    }
     return r;
   }
 
   // Finishes a request; false when the deadline passed first (Gloo then closes the context). A
   // receive's bytes are then in the caller's buffer.
   bool wait(request& r, lt::clock::time_point deadline) {
-    const std::byte* at = nullptr;
-    if (!finish_request(r, deadline, at)) return false;
-    if (r.recv_ && at && r.bytes_ > 0) std::memcpy(r.dst_, at, r.bytes_);
+    if (!finish_request(r, deadline)) return false;
+    if (r.recv_ && r.bytes_ > 0) std::memcpy(r.dst_, r.buf_.data.get(), r.bytes_);
     return true;
   }
 
-  // A receive's bytes are read where they arrived: the frame (up to 48 bytes) or the payload buffer.
+  // A receive's bytes are read where they arrived, in the request's buffer.
   template <class F>
   bool consume(request& r, lt::clock::time_point deadline, F&& fn) {
-    const std::byte* at = nullptr;
-    if (!finish_request(r, deadline, at)) return false;
-    fn(at ? at : static_cast<const std::byte*>(r.dst_));
+    if (!finish_request(r, deadline)) return false;
+    fn(static_cast<const std::byte*>(r.buf_.data.get()));
     return true;
   }
 
@@ -308,49 +274,46 @@ class c10d_transport {
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_relaxed); }
 
  private:
-  // Waits for r's frame and payload; `at` is where a receive's bytes are (null when wait() already
-  // copied them to the caller's buffer).
-  bool finish_request(request& r, lt::clock::time_point deadline, const std::byte*& at) {
-    if (r.done_) {
-      at = r.recv_ ? received_at(r) : nullptr;
-      return true;
+  request make(int peer, std::uint32_t tag, std::size_t bytes, bool recv) {
+    request r;
+    r.s_ = s_;
+    r.buf_ = s_->take(bytes + sizeof(detail::trailer));
+    r.bytes_ = bytes;
+    r.peer_ = peer;
+    r.tag_ = tag;
+    r.recv_ = recv;
+    return r;
+  }
+
+  // Waits for r's work, then checks a receive's trailer.
+  bool finish_request(request& r, lt::clock::time_point deadline) {
+    if (!r.done_) {
+      if (!r.buf_.data) throw lockstep::error(lockstep::errc::invalid_argument, "wait", rank(), r.peer_, "empty request");
+      const char* op = r.recv_ ? "recv" : "send";
+      throw_if_aborted(op, r.peer_);
+      if (!finish(r.work_, deadline, op, r.peer_)) return false;
+      r.work_.reset();
+      r.done_ = true;
     }
-    if (!r.frame_) throw lockstep::error(lockstep::errc::invalid_argument, "wait", rank(), r.peer_, "empty request");
-    const char* op = r.recv_ ? "recv" : "send";
-    throw_if_aborted(op, r.peer_);
-    if (!r.frame_done_) {
-      if (!finish(r.frame_work_, deadline, op, r.peer_)) return false;
-      r.frame_work_.reset();
-      r.frame_done_ = true;
-      if (r.recv_) {
-        const detail::frame& f = *r.frame_;
-        if (f.magic != detail::frame::magic_value)
-          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
-                                "the peer sent something that is not a lockstep_torch frame (tag " +
-                                    std::to_string(r.tag_) + " on channel " + std::to_string(channel()) + ")");
-        if (f.bytes != r.bytes_)
-          throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
-                                "expected a message of " + std::to_string(r.bytes_) + " bytes, the peer sent " +
-                                    std::to_string(f.bytes) + " (tag " + std::to_string(r.tag_) + ")");
-      }
+    if (r.recv_ && !r.checked_) {
+      detail::trailer t;
+      std::memcpy(&t, r.buf_.data.get() + r.bytes_, sizeof t);
+      if (t.magic != detail::trailer::magic_value)
+        throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
+                              "expected a message of " + std::to_string(r.bytes_) +
+                                  " bytes; the peer sent a shorter one, or not a lockstep_torch message (tag " +
+                                  std::to_string(r.tag_) + " on channel " + std::to_string(channel()) + ")");
+      if (t.bytes != r.bytes_)
+        throw lockstep::error(lockstep::errc::mismatch, "recv", rank(), r.peer_,
+                              "expected a message of " + std::to_string(r.bytes_) + " bytes, the peer sent " +
+                                  std::to_string(t.bytes) + " (tag " + std::to_string(r.tag_) + ")");
+      r.checked_ = true;
     }
-    if (r.payload_work_) {
-      if (!finish(r.payload_work_, deadline, op, r.peer_)) return false;
-      r.payload_work_.reset();
-    }
-    r.done_ = true;
-    at = r.recv_ ? received_at(r) : nullptr;
     return true;
   }
 
-  static const std::byte* received_at(const request& r) {
-    if (r.bytes_ > detail::frame::inline_capacity) return r.payload_.data.get();
-    return r.frame_ ? r.frame_->data.data() : nullptr;
-  }
-
-  int c10d_tag(std::uint32_t tag, int part) const noexcept {
-    return static_cast<int>((std::uint32_t{1} << 30) | (static_cast<std::uint32_t>(s_->channel) << 26) | (tag << 1) |
-                            static_cast<std::uint32_t>(part));
+  int c10d_tag(std::uint32_t tag) const noexcept {
+    return static_cast<int>((std::uint32_t{1} << 30) | (static_cast<std::uint32_t>(s_->channel) << 25) | tag);
   }
 
   void throw_if_aborted(const char* op, int peer) const {
@@ -370,16 +333,16 @@ class c10d_transport {
     if (tag > max_tag)
       throw lockstep::error(lockstep::errc::invalid_argument, op, s_->rank, peer,
                             "tag " + std::to_string(tag) + " above " + std::to_string(max_tag));
-    if (bytes > static_cast<std::size_t>(INT_MAX))
+    if (bytes > static_cast<std::size_t>(INT_MAX) - sizeof(detail::trailer))
       throw lockstep::error(lockstep::errc::invalid_argument, op, s_->rank, peer,
-                            "message of " + std::to_string(bytes) + " bytes exceeds INT_MAX; use smaller segments");
+                            "message of " + std::to_string(bytes) + " bytes exceeds INT_MAX - 16; use smaller segments");
   }
 
   // One c10d send or receive of `bytes` at `p`; c10d's own errors become errc::transport.
-  c10::intrusive_ptr<c10d::Work> post(bool send, int peer, int tag, const void* p, std::size_t bytes) {
+  c10::intrusive_ptr<c10d::Work> post(bool send, int peer, std::uint32_t tag, void* p, std::size_t bytes) {
     std::vector<at::Tensor> t{detail::bytes_view(p, bytes)};
     try {
-      return send ? s_->pg->send(t, peer, tag) : s_->pg->recv(t, peer, tag);
+      return send ? s_->pg->send(t, peer, c10d_tag(tag)) : s_->pg->recv(t, peer, c10d_tag(tag));
     } catch (const std::exception& e) {
       throw lockstep::error(lockstep::errc::transport, send ? "send" : "recv", s_->rank, peer,
                             std::string(send ? "ProcessGroup::send: " : "ProcessGroup::recv: ") + e.what());

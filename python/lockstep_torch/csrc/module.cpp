@@ -282,6 +282,25 @@ class engine {
   std::map<int, bucket_state> buckets_;  // (DDP bucket index)
 };
 
+// The transport alone, for its tests: sends `send_bytes` (byte i = i mod 251) to `peer` and
+// receives `recv_bytes` from it on tag `tag` of channel `channel`; throws what the transport throws
+// (a shorter message than posted is errc::mismatch), or when the bytes are not the pattern.
+inline void exchange(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel, int peer, std::uint32_t tag,
+                     std::size_t send_bytes, std::size_t recv_bytes, double timeout_s) {
+  py::gil_scoped_release nogil;
+  c10d_transport t(std::move(pg), channel);
+  std::vector<std::byte> out(send_bytes), in(recv_bytes);
+  for (std::size_t i = 0; i < send_bytes; ++i) out[i] = static_cast<std::byte>(i % 251);
+  auto r = t.irecv(peer, tag, in.data(), in.size());
+  auto s = t.isend(peer, tag, out.data(), out.size());
+  const auto deadline = lt::clock::now() + std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
+  if (!t.wait(s, deadline) || !t.wait(r, deadline))
+    throw ls::error(ls::errc::timeout, "exchange", t.rank(), peer, "no message within the timeout");
+  for (std::size_t i = 0; i < recv_bytes; ++i)
+    if (in[i] != static_cast<std::byte>(i % 251))
+      throw ls::error(ls::errc::transport, "exchange", t.rank(), peer, "byte " + std::to_string(i) + " differs");
+}
+
 }  // namespace lockstep_torch
 
 PYBIND11_MODULE(_C, m) {
@@ -316,5 +335,7 @@ PYBIND11_MODULE(_C, m) {
         lockstep_torch::parse_topology(topology, rank, size);
       },
       py::arg("codec"), py::arg("topology"), py::arg("rank"), py::arg("size"));
+  m.def("_exchange", &lockstep_torch::exchange, py::arg("process_group"), py::arg("channel"), py::arg("peer"),
+        py::arg("tag"), py::arg("send_bytes"), py::arg("recv_bytes"), py::arg("timeout"));
   m.attr("max_channels") = lockstep_torch::c10d_transport::max_channels;
 }
