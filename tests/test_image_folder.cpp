@@ -122,6 +122,7 @@ TEST_CASE("the fused decode-crop equals a full decode at the same DCT scale, cro
       {"progressive 4:2:0", 161, 120, 3, prog}, {"restart markers", 128, 96, 3, rst}, {"grayscale", 139, 101, 1, {}},
       {"CMYK (Adobe)", 77, 66, 4, {}}};
   sample::jpeg_decoder dec;
+  dec.scales = sample::all_scales;  // every IDCT size, not only the default SIMD ones
   sample::rng g{42};
   for (const variant& v : variants) {
     INFO(v.what);
@@ -199,6 +200,12 @@ TEST_CASE("DCT scaling: the smallest n/8 that covers the output, close to a full
   CHECK(sample::choose_scale({0, 0, 400, 260}, 224) == 7);   // the shorter side decides
   CHECK(sample::choose_scale({0, 0, 224, 224}, 224) == 8);
   CHECK(sample::choose_scale({0, 0, 50, 40}, 224) == 8);     // upscaling: never the IDCT
+  // The decoder's default: only 1/8, 2/8, 4/8 and 8/8 (libjpeg-turbo's SIMD IDCTs).
+  CHECK(sample::choose_scale({0, 0, 300, 300}, 224, sample::simd_scales) == 8);
+  CHECK(sample::choose_scale({0, 0, 448, 500}, 224, sample::simd_scales) == 4);
+  CHECK(sample::choose_scale({0, 0, 1000, 900}, 224, sample::simd_scales) == 2);
+  CHECK(sample::choose_scale({0, 0, 1792, 1800}, 224, sample::simd_scales) == 1);
+  CHECK(sample::jpeg_decoder{}.scales == sample::simd_scales);
 
   // A smooth image (no texture above the output's Nyquist rate): the scaled decode is close to
   // the full one resampled by the same bilinear taps.
@@ -211,6 +218,7 @@ TEST_CASE("DCT scaling: the smallest n/8 that covers the output, close to a full
             static_cast<std::uint8_t>(128 + 100 * std::sin(0.013 * x * (c + 1)) * std::cos(0.017 * y + c));
   const auto jpg = sample::encode_jpeg(px.data(), W, H, 3);
   sample::jpeg_decoder dec;
+  dec.scales = sample::all_scales;
   int fw, fh;
   const auto full = dec.decode_full(jpg.data(), jpg.size(), "s.jpg", 8, &fw, &fh);
   sample::rng g{5};

@@ -84,6 +84,7 @@ struct image_pipeline_options {
   // Added members (not in the interface):
   double scale_min = 0.08, scale_max = 1.0;             // RandomResizedCrop's area range
   double ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;  // and its aspect-ratio range
+  unsigned scales = simd_scales;   // DCT scales the decoder may choose (jpeg.hpp: 1/8, 2/8, 4/8, 8/8; all_scales for all n/8)
   double timeout_s = 600;          // next() gives up (std::runtime_error) after waiting this long for a batch
 };
 
@@ -181,17 +182,24 @@ inline image_listing list_image_folder(const std::string& split_dir, std::vector
   return l;
 }
 
-// Reads a whole file into `out` or throws data_error naming it.
+// Reads a whole file into `out` (its capacity reused) or throws data_error naming it.
 inline void read_file(const std::string& path, std::vector<std::uint8_t>& out) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) throw data_error(path + ": cannot open (" + std::strerror(errno) + ")");
-  out.clear();
-  std::uint8_t buf[1 << 16];
-  std::size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) out.insert(out.end(), buf, buf + got);
-  const bool bad = std::ferror(f) != 0;
-  std::fclose(f);
-  if (bad) throw data_error(path + ": read error");
+  struct closer {
+    std::FILE* f;
+    ~closer() { std::fclose(f); }
+  } close_on_exit{f};
+  // The size from the end offset, then one read; a file that grows meanwhile is read in pieces.
+  long size = -1;
+  if (std::fseek(f, 0, SEEK_END) == 0) size = std::ftell(f);
+  if (size < 0 || std::fseek(f, 0, SEEK_SET) != 0) throw data_error(path + ": cannot seek (" + std::strerror(errno) + ")");
+  out.resize(static_cast<std::size_t>(size));
+  std::size_t got = size > 0 ? std::fread(out.data(), 1, out.size(), f) : 0;
+  out.resize(got);
+  std::uint8_t buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.insert(out.end(), buf, buf + n);
+  if (std::ferror(f)) throw data_error(path + ": read error (" + std::strerror(errno) + ")");
 }
 
 // Compressed files kept in memory, shared by every pipeline of the process over one split folder.
@@ -379,6 +387,7 @@ class image_pipeline {
   // steps of the one next() waits for, and prepares it into its slot.
   void work() {
     jpeg_decoder dec;
+    dec.scales = o_.scales;
     std::vector<std::uint8_t> buf;
     const std::size_t per_image = 3 * static_cast<std::size_t>(o_.size) * o_.size;
     std::unique_lock lk(mu_);
