@@ -242,6 +242,23 @@ TEST_CASE("DCT scaling: the smallest n/8 that covers the output, close to a full
   CHECK(scales.size() >= 4);  // the crops exercised several scales
 }
 
+TEST_CASE("channels_last writes the same values interleaved", "[jpeg]") {
+  const int S = 19;
+  const auto jpg = test_jpeg(90, 70);
+  const auto norm = sample::normaliser::of({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  sample::jpeg_decoder nchw, nhwc;
+  nhwc.channels_last = true;
+  sample::rng g{8};
+  for (int t = 0; t < 10; ++t) {
+    const crop_plan plan = random_plan(90, 70, g);
+    std::vector<float> a(3 * S * S), b(a.size());
+    nchw.decode(jpg.data(), jpg.size(), "l.jpg", [&](const sample::jpeg_header&) { return plan; }, S, norm, a.data());
+    nhwc.decode(jpg.data(), jpg.size(), "l.jpg", [&](const sample::jpeg_header&) { return plan; }, S, norm, b.data());
+    for (int c = 0; c < 3; ++c)
+      for (int p = 0; p < S * S; ++p) REQUIRE(b[static_cast<std::size_t>(p) * 3 + c] == a[static_cast<std::size_t>(c) * S * S + p]);
+  }
+}
+
 TEST_CASE("grayscale comes out as three equal channels; CMYK is converted to RGB", "[jpeg]") {
   sample::jpeg_decoder dec;
   const int S = 8;
@@ -545,6 +562,19 @@ TEST_CASE("a run is deterministic: threads, prefetch and the cache change nothin
     CHECK(run_epoch(p, q, 1).labels == b.labels);
     if (cache) CHECK(p.cached_bytes() > 0);
   }
+  // channels_last: the same epoch, interleaved.
+  sample::image_pipeline_options last = o;
+  last.channels_last = true;
+  last.threads = 2;
+  sample::image_pipeline p3(last);
+  const epoch_output l = run_epoch(p3, last, 0);
+  REQUIRE(l.images.size() == a.images.size());
+  CHECK(l.labels == a.labels);
+  for (std::size_t s = 0; s < a.images.size(); ++s)
+    for (std::size_t k = 0; k < 4; ++k)
+      for (std::size_t c = 0; c < 3; ++c)
+        for (std::size_t p = 0; p < 256; ++p)
+          REQUIRE(l.images[s][(k * 256 + p) * 3 + c] == a.images[s][(k * 3 + c) * 256 + p]);
   // Another seed: another permutation and other crops.
   sample::image_pipeline_options other = o;
   other.seed = 10;

@@ -36,7 +36,8 @@
 // from a fixed pool of `batch` random images (uniform bytes, normalised) made once, labels are
 // uniform and keyed like the augmentation; next() copies, so it measures the step, not a decoder.
 //
-// Shapes: images (batch, 3, size, size) fp32, NCHW, normalised; labels (batch) int32.
+// Shapes: images (batch, 3, size, size) fp32, NCHW, normalised (or (batch, size, size, 3) with
+// channels_last); labels (batch) int32.
 #pragma once
 
 #include <algorithm>
@@ -84,6 +85,7 @@ struct image_pipeline_options {
   // Added members (not in the interface):
   double scale_min = 0.08, scale_max = 1.0;             // RandomResizedCrop's area range
   double ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;  // and its aspect-ratio range
+  bool channels_last = false;      // images as (batch, size, size, 3), NHWC, instead of NCHW
   unsigned scales = simd_scales;   // DCT scales the decoder may choose (jpeg.hpp: 1/8, 2/8, 4/8, 8/8; all_scales for all n/8)
   double timeout_s = 600;          // next() gives up (std::runtime_error) after waiting this long for a batch
 };
@@ -339,7 +341,7 @@ class image_pipeline {
     work_cv_.notify_all();
   }
 
-  // Fills images (batch, 3, size, size) and labels (batch) with this replica's next batch of the
+  // Fills images (batch, 3, size, size) (NHWC with channels_last) and labels (batch) with this replica's next batch of the
   // epoch. Returns false when the epoch is over. Rethrows a data_error of a file in this batch.
   bool next(float* images, std::int32_t* labels) {
     std::unique_lock lk(mu_);
@@ -388,6 +390,7 @@ class image_pipeline {
   void work() {
     jpeg_decoder dec;
     dec.scales = o_.scales;
+    dec.channels_last = o_.channels_last;
     std::vector<std::uint8_t> buf;
     const std::size_t per_image = 3 * static_cast<std::size_t>(o_.size) * o_.size;
     std::unique_lock lk(mu_);
@@ -488,7 +491,7 @@ class image_pipeline {
     rng g{key_of(o_.seed, 0x53594E54ull)};
     const std::size_t plane = per_image / 3;
     for (std::size_t j = 0; j < pool_.size(); ++j) {
-      const std::size_t c = (j / plane) % 3;
+      const std::size_t c = o_.channels_last ? j % 3 : (j / plane) % 3;
       pool_[j] = static_cast<float>(g.next() & 255) * norm_.mul[c] + norm_.add[c];
     }
   }

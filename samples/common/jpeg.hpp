@@ -42,7 +42,8 @@
 // Not thread-safe: one jpeg_decoder per thread; it keeps its libjpeg object and buffers between
 // images so a steady-state decode allocates nothing.
 //
-// Shapes: out (3, size, size) channel-major (one image of NCHW); the scanline buffer (cols, 3).
+// Shapes: out (3, size, size) channel-major (one image of NCHW), or (size, size, 3) with
+// channels_last; the scanline buffer (cols, 3).
 #pragma once
 
 #include <cstdio>  // jpeglib.h needs FILE and size_t declared first
@@ -215,6 +216,8 @@ class jpeg_decoder {
   // Extra pixels decoded beyond the taps on each side, so that libjpeg's cropped-edge upsampling
   // (see the file comment) never reaches a pixel the taps read.
   int margin = 2;
+  // Write (size, size, 3) instead of (3, size, size): the same values, channels interleaved.
+  bool channels_last = false;
   // The DCT scales decode() may choose (choose_scale's bit set); all_scales for every n/8.
   unsigned scales = simd_scales;
 
@@ -458,6 +461,15 @@ class jpeg_decoder {
         const float* top = hrow_[y0_[static_cast<std::size_t>(oy)] & 1].data();
         const float* bot = hrow_[y1_[static_cast<std::size_t>(oy)] & 1].data();
         const float f = fy_[static_cast<std::size_t>(oy)];
+        if (channels_last) {  // (size, size, 3): the same operations, stored interleaved
+          float* o = out + static_cast<std::size_t>(oy) * S * 3;
+          for (std::size_t ox = 0; ox < S; ++ox)
+            for (std::size_t c = 0; c < 3; ++c) {
+              const float t = top[c * S + ox], u = bot[c * S + ox];
+              o[3 * ox + c] = (t + f * (u - t)) * norm.mul[c] + norm.add[c];
+            }
+          continue;
+        }
         for (std::size_t c = 0; c < 3; ++c) {
           float* o = out + c * plane + static_cast<std::size_t>(oy) * S;
           const float* t = top + c * S;
