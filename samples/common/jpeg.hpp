@@ -144,33 +144,93 @@ inline void axis_taps(double start, double extent, int out, int limit, bool reve
 }
 
 // hrow (3, S) <- for each channel c and output ox: a + fx (b - a), a = p[off0[ox] + c] and
-// b = p[off1[ox] + c], p an RGB row with 3 readable bytes after its last tap. The taps of
+// b = p[off1[ox] + c], p an RGB row with `pad` readable bytes after its last pixel. The taps of
 // axis_taps have off1 = off0 + 3 (the next pixel) or fx = 0 (clamped at the right edge, where b
-// does not matter: a + 0 (b - a) = a), so the SIMD paths gather 4 bytes at off0 + c and take a
-// from the lowest byte and b from the highest: one gather per 16 outputs and channel. All paths
-// do the same float operations in the same order and agree bit for bit (the project builds with
-// -ffp-contract=off: no fused multiply-add).
-inline void lerp_taps(const std::uint8_t* p, const int* off0, const int* off1, const float* fx, std::size_t S, float* hrow) {
+// does not matter: a + 0 (b - a) = a), so the SIMD paths read b at off0 + 3 + c:
+//   AVX-512 VBMI: per group of 16 outputs whose taps lie within 128 bytes (a downscale up to
+//     about 2.5), two 64-byte loads at the group's first tap byte (`base`), then one byte permute
+//     (vpermt2b) per channel with the group's precomputed indices (`idx`: a in bytes 0..15, b in
+//     16..31) picks both taps of all 16 outputs; wider groups (base < 0) gather.
+//   AVX-512F / AVX2: a 4-byte gather at off0 + c per output: a is its lowest byte, b its highest.
+// All paths do the same float operations in the same order and agree bit for bit (the project
+// builds with -ffp-contract=off: no fused multiply-add).
+inline constexpr std::size_t row_pad = 132;  // bytes readable after a row: the VBMI path's 128-byte window
+
+#if defined(__AVX512F__) && !defined(LOCKSTEP_NO_AVX512) && !defined(LOCKSTEP_NO_SIMD)
+// 16 outputs of channel plane h from taps at byte offsets off0 of pc (AVX-512F gathers). The masked
+// forms with zero as the pass-through: GCC 12 warns that the unmasked ones' undefined pass-through
+// "may be used uninitialized".
+inline void lerp16_gather(const std::uint8_t* pc, const int* off0, const float* fx, float* h) {
+  const __m512i low = _mm512_set1_epi32(0xFF), zero = _mm512_setzero_si512();
+  const __mmask16 all = 0xFFFF;
+  const __m512i v = _mm512_mask_i32gather_epi32(zero, all, _mm512_loadu_si512(off0), pc, 1);
+  const __m512 a = _mm512_maskz_cvtepi32_ps(all, _mm512_and_si512(v, low));
+  const __m512 b = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_srli_epi32(all, v, 24));
+  _mm512_storeu_ps(h, _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(fx), _mm512_sub_ps(b, a))));
+}
+#endif
+
+#if defined(__AVX512VBMI__) && !defined(LOCKSTEP_NO_AVX512) && !defined(LOCKSTEP_NO_SIMD) && !defined(LOCKSTEP_NO_VBMI)
+#define LOCKSTEP_SAMPLE_JPEG_VBMI 1
+#endif
+
+// The VBMI path's groups: base[g] = the first byte of group g's window (or -1: gather), idx (64 bytes
+// per group) the window offsets of a (bytes 0..15) and b (16..31) for channel 0.
+inline void permute_groups(const int* off0, std::size_t S, int* base, std::uint8_t* idx) {
+  for (std::size_t g = 0; (g + 1) * 16 <= S; ++g) {
+    const int* o = off0 + 16 * g;
+    const int lo = *std::min_element(o, o + 16), hi = *std::max_element(o, o + 16);
+    std::uint8_t* ix = idx + 64 * g;
+    std::fill(ix, ix + 64, std::uint8_t{0});
+    if (hi - lo + 3 + 2 > 127) {  // b of channel 2 must lie inside the 128-byte window
+      base[g] = -1;
+      continue;
+    }
+    base[g] = lo;
+    for (int k = 0; k < 16; ++k) {
+      ix[k] = static_cast<std::uint8_t>(o[k] - lo);
+      ix[16 + k] = static_cast<std::uint8_t>(o[k] - lo + 3);
+    }
+  }
+}
+
+inline void lerp_taps(const std::uint8_t* p, const int* off0, const int* off1, const float* fx, std::size_t S,
+                      const int* base, const std::uint8_t* idx, float* hrow) {
+  std::size_t done = 0;  // outputs of every channel written by the grouped path
+#if defined(LOCKSTEP_SAMPLE_JPEG_VBMI)
+  const __mmask16 all = 0xFFFF;
+  for (std::size_t g = 0; (g + 1) * 16 <= S; ++g) {
+    const std::size_t ox = 16 * g;
+    if (base[g] < 0) {
+      for (std::size_t c = 0; c < 3; ++c) lerp16_gather(p + c, off0 + ox, fx + ox, hrow + c * S + ox);
+      continue;
+    }
+    const __m512i lo = _mm512_loadu_si512(p + base[g]), hi = _mm512_loadu_si512(p + base[g] + 64);
+    const __m512i ix = _mm512_loadu_si512(idx + 64 * g);
+    const __m512 f = _mm512_loadu_ps(fx + ox);
+    for (std::size_t c = 0; c < 3; ++c) {
+      const __m512i v = _mm512_permutex2var_epi8(lo, _mm512_add_epi8(ix, _mm512_set1_epi8(static_cast<char>(c))), hi);
+      const __m512 a = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_cvtepu8_epi32(all, _mm512_maskz_extracti32x4_epi32(0xF, v, 0)));
+      const __m512 b = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_cvtepu8_epi32(all, _mm512_maskz_extracti32x4_epi32(0xF, v, 1)));
+      _mm512_storeu_ps(hrow + c * S + ox, _mm512_add_ps(a, _mm512_mul_ps(f, _mm512_sub_ps(b, a))));
+    }
+  }
+  done = S / 16 * 16;
+#else
+  (void)base;
+  (void)idx;
+#endif
   for (std::size_t c = 0; c < 3; ++c) {
     const std::uint8_t* pc = p + c;
     float* h = hrow + c * S;
-    std::size_t ox = 0;
-#if defined(__AVX512F__) && !defined(LOCKSTEP_NO_AVX512) && !defined(LOCKSTEP_NO_SIMD)
-    // The masked forms, with zero as the pass-through: GCC 12 warns that the unmasked ones' undefined
-    // pass-through "may be used uninitialized".
-    const __m512i low = _mm512_set1_epi32(0xFF), zero = _mm512_setzero_si512();
-    const __mmask16 all = 0xFFFF;
-    for (; ox + 16 <= S; ox += 16) {
-      const __m512i v = _mm512_mask_i32gather_epi32(zero, all, _mm512_loadu_si512(off0 + ox), pc, 1);
-      const __m512 a = _mm512_maskz_cvtepi32_ps(all, _mm512_and_si512(v, low));
-      const __m512 b = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_srli_epi32(all, v, 24));
-      _mm512_storeu_ps(h + ox, _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(fx + ox), _mm512_sub_ps(b, a))));
-    }
-#elif defined(__AVX2__) && !defined(LOCKSTEP_NO_SIMD)
+    std::size_t ox = done;
+#if !defined(LOCKSTEP_SAMPLE_JPEG_VBMI) && defined(__AVX512F__) && !defined(LOCKSTEP_NO_AVX512) && !defined(LOCKSTEP_NO_SIMD)
+    for (; ox + 16 <= S; ox += 16) lerp16_gather(pc, off0 + ox, fx + ox, h + ox);
+#elif !defined(LOCKSTEP_SAMPLE_JPEG_VBMI) && defined(__AVX2__) && !defined(LOCKSTEP_NO_SIMD)
     const __m256i low = _mm256_set1_epi32(0xFF);
-    const int* base = reinterpret_cast<const int*>(pc);
+    const int* words = reinterpret_cast<const int*>(pc);
     for (; ox + 8 <= S; ox += 8) {
-      const __m256i v = _mm256_i32gather_epi32(base, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off0 + ox)), 1);
+      const __m256i v = _mm256_i32gather_epi32(words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off0 + ox)), 1);
       const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
       const __m256 b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 24));
       _mm256_storeu_ps(h + ox, _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(fx + ox), _mm256_sub_ps(b, a))));
@@ -279,7 +339,7 @@ class jpeg_decoder {
     info.scaled_height = height;
     taps(info, size);
     row0_ = ylo_;
-    // Each row is copied into a padded buffer: lerp_taps reads 3 bytes beyond the last tap.
+    // Each row is copied into a padded buffer: lerp_taps reads past the last tap.
     const std::size_t row_bytes = static_cast<std::size_t>(width) * 3;
     scanline_.resize(std::max(scanline_.size(), row_bytes + pad));
     stream(size, norm, out, [&](int r) {
@@ -406,7 +466,7 @@ class jpeg_decoder {
     info.row0 = first;
     info.rows = yhi_ + 1 - first;
     const std::size_t ncomp = cmyk_ ? 4 : 3;
-    // + pad: lerp_taps reads 4 bytes at each tap.
+    // + pad: lerp_taps reads past the last tap (jpeg_detail::row_pad).
     if (scanline_.size() < width * ncomp + pad) scanline_.resize(width * ncomp + pad);
     if (cmyk_ && rgb_.size() < width * 3 + pad) rgb_.resize(width * 3 + pad);
     if (first > 0) jpeg_skip_scanlines(&cinfo_, static_cast<JDIMENSION>(first));
@@ -452,11 +512,15 @@ class jpeg_decoder {
       off0_[o] = 3 * (x0_[o] - col0);
       off1_[o] = 3 * (x1_[o] - col0);
     }
+    grp_base_.resize(S / 16 + 1);
+    grp_idx_.resize(64 * (S / 16 + 1));
+    jpeg_detail::permute_groups(off0_.data(), S, grp_base_.data(), grp_idx_.data());
     int oy = 0;
     for (int r = row0_; r <= yhi_ && oy < size; ++r) {
       const std::uint8_t* p = row(r);
       if (r < ylo_ || !needed_[static_cast<std::size_t>(r - ylo_)]) continue;
-      jpeg_detail::lerp_taps(p, off0_.data(), off1_.data(), fx_.data(), S, hrow_[r & 1].data());
+      jpeg_detail::lerp_taps(p, off0_.data(), off1_.data(), fx_.data(), S, grp_base_.data(), grp_idx_.data(),
+                             hrow_[r & 1].data());
       for (; oy < size && y1_[static_cast<std::size_t>(oy)] <= r; ++oy) {
         const float* top = hrow_[y0_[static_cast<std::size_t>(oy)] & 1].data();
         const float* bot = hrow_[y1_[static_cast<std::size_t>(oy)] & 1].data();
@@ -481,7 +545,7 @@ class jpeg_decoder {
     }
   }
 
-  static constexpr std::size_t pad = 4;
+  static constexpr std::size_t pad = jpeg_detail::row_pad;
   jpeg_decompress_struct cinfo_{};
   jpeg_detail::error_manager err_{};
   bool cmyk_ = false, adobe_ = false;
@@ -489,6 +553,8 @@ class jpeg_decoder {
   std::vector<int> x0_, x1_, y0_, y1_, off0_, off1_;
   std::vector<float> fx_, fy_;
   std::vector<char> needed_;
+  std::vector<int> grp_base_;
+  std::vector<std::uint8_t> grp_idx_;
   std::vector<float> hrow_[2];
   int xlo_ = 0, xhi_ = 0, ylo_ = 0, yhi_ = 0, row0_ = 0;
 };
