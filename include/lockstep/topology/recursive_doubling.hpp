@@ -41,14 +41,13 @@ struct recursive_doubling {
     return detail::doubling_all_gather(rank, size);
   }
 
-  // Every rank of the power-of-two core owns (and ends with) every chunk; a folded rank owns
-  // nothing and receives the whole result.
+  // The buffer is one chunk (a step is then one message, not one per rank's chunk). Every rank of
+  // the power-of-two core owns (and ends with) it; a folded rank owns nothing and receives it.
   schedule all_reduce(int rank, int size) const {
     validate(size, rank);
     const detail::fold f(size);
-    const auto n32 = static_cast<std::uint32_t>(size);
-    const chunk_span all{0, n32};
-    schedule s{rank, size, n32, {}, all};
+    const chunk_span all{0, 1};
+    schedule s{rank, size, 1, {}, all};
     const int v = f.virtual_of(rank);
     if (v < 0) {
       s.owned = {};
@@ -68,11 +67,11 @@ struct recursive_doubling {
 
   // Binomial tree from `root` (MPICH's): relative rank q = rank - root receives from q - lowbit(q)
   // and then sends to q + d for d = lowbit(q)/2, .., 1 (the root: from the top power of two down).
+  // One chunk, as all_reduce.
   schedule broadcast(int root, int rank, int size) const {
     validate(size, rank);
-    const auto n32 = static_cast<std::uint32_t>(size);
-    const chunk_span all{0, n32};
-    schedule s{rank, size, n32, {}, {static_cast<std::uint32_t>(rank), 1}};
+    const chunk_span all{0, 1};
+    schedule s{rank, size, 1, {}, all};
     const int q = (rank - root + size) % size;
     int top = 1;
     while (top < size) top *= 2;
