@@ -1,5 +1,6 @@
 // lockstep/topology.hpp: every topology.
 #pragma once
+#include "topology/automatic.hpp"
 #include "topology/concept.hpp"
 #include "topology/halving_doubling.hpp"
 #include "topology/recursive_doubling.hpp"

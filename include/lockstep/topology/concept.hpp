@@ -20,6 +20,7 @@
 #pragma once
 
 #include <concepts>
+#include <cstdint>
 #include <string>
 
 #include "schedule.hpp"
@@ -33,6 +34,19 @@ concept topology = requires(const T& t, int rank, int size) {
   { t.all_gather(rank, size) } -> std::same_as<schedule>;
   t.validate(size);
 };
+
+// A topology chosen per call (topology::automatic): it names itself so, and the collectives ask
+// it for a concrete topology per call (collective/collectives.hpp); the rest of the library sees
+// only the concrete one.
+template <class T>
+concept per_call = requires { typename T::chooses_per_call; };
+
+// The operation a per-call choice is for (each has its own schedule).
+enum class operation : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast };
+
+// What the collectives accept: a topology, or one chosen per call.
+template <class T>
+concept topology_policy = topology<T> || per_call<T>;
 
 template <topology T>
 schedule all_reduce_schedule(const T& t, int rank, int size) {
