@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include <lockstep/codec.hpp>
 #include <lockstep/parallel.hpp>
 
 #include "model.hpp"
