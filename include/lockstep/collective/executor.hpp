@@ -86,6 +86,36 @@ struct wire_header {
   std::uint64_t count = 0;
   std::uint64_t segment = 0;
   std::uint64_t seq = 0;
+  std::uint64_t layout = 0;  // 0: equal chunks; else the fingerprint of the per-rank counts
+};
+
+// Per-rank counts (MPI's allgatherv / reduce_scatter): chunk c is counts[c] elements long and
+// starts after the chunks before it. The offsets are what the executor walks; the fingerprint is
+// what the header carries, so ranks that were handed different counts fail with a mismatch.
+struct chunk_layout {
+  std::vector<std::size_t> offsets;  // (chunk + 1); empty: n elements cut into equal chunks
+  std::uint64_t id = 0;
+
+  static chunk_layout from_counts(std::span<const std::size_t> counts) {
+    chunk_layout l;
+    l.offsets.assign(counts.size() + 1, 0);
+    std::uint64_t h = 0xcbf29ce484222325ull ^ counts.size();  // FNV-1a over the counts' values
+    for (std::size_t i = 0; i < counts.size(); ++i) {
+      l.offsets[i + 1] = l.offsets[i] + counts[i];
+      for (int b = 0; b < 64; b += 8) h = (h ^ ((counts[i] >> b) & 0xff)) * 0x100000001b3ull;
+    }
+    l.id = h | 1;  // never 0, which means equal chunks
+    return l;
+  }
+  bool equal_chunks() const noexcept { return offsets.empty(); }
+  std::string str() const {
+    std::string s = "[";
+    for (std::size_t i = 0; i + 1 < offsets.size(); ++i) {
+      if (i == 16) return s + ", ... (" + std::to_string(offsets.size() - 1) + " ranks)]";
+      s += (i ? ", " : "") + std::to_string(offsets[i + 1] - offsets[i]);
+    }
+    return s + "]";
+  }
 };
 
 struct op_desc {
@@ -95,6 +125,7 @@ struct op_desc {
   std::uint32_t topology_id = 0;
   std::string label;  // "all_reduce(ring, bf16)"
   std::size_t segment_bytes = 0;  // this call's segment (topology::automatic); 0: the group's
+  chunk_layout layout{};  // per-rank counts of all_gather_v / reduce_scatter_v; else equal chunks
 };
 
 inline std::string describe_mismatch(const wire_header& mine, const wire_header& theirs) {
@@ -106,6 +137,13 @@ inline std::string describe_mismatch(const wire_header& mine, const wire_header&
   if (theirs.kind != mine.kind)
     return std::string("operation ") + to_string(static_cast<op_kind>(mine.kind)) + " here, " +
            to_string(static_cast<op_kind>(theirs.kind)) + " on the peer";
+  if (theirs.layout != mine.layout) {
+    if (!mine.layout || !theirs.layout)
+      return std::string("per-rank counts ") + (mine.layout ? "given" : "equal (not given)") + " here, " +
+             (theirs.layout ? "given" : "equal (not given)") + " on the peer";
+    return "per-rank counts differ (the ranks were handed different count vectors" +
+           (theirs.count != mine.count ? ", " + field("total", mine.count, theirs.count) : std::string()) + ")";
+  }
   if (theirs.count != mine.count) return field("element count", mine.count, theirs.count);
   if (theirs.codec_id != mine.codec_id) return "codecs differ (format or block size)";
   if (theirs.topology_id != mine.topology_id) return "topologies differ";
@@ -172,6 +210,11 @@ class schedule_run {
   void validate() const {
     if (!x_ && n_) throw fail(errc::invalid_argument, -1, "null buffer with " + std::to_string(n_) + " elements");
     if (n_ > max_count) throw fail(errc::invalid_argument, -1, "count " + std::to_string(n_) + " overflows the wire format");
+    const auto& off = op_.layout.offsets;
+    if (!off.empty() && (off.size() != std::size_t{s_.chunks} + 1 || off.back() != n_))
+      throw fail(errc::invalid_argument, -1,
+                 "per-rank counts " + op_.layout.str() + " do not cut a buffer of " + std::to_string(n_) +
+                     " elements into the schedule's " + std::to_string(s_.chunks) + " chunks");
   }
 
   // Wire layout in scratch: chunk c's segments back to back, each encoded on its own.  // (chunk)
@@ -204,6 +247,7 @@ class schedule_run {
       mine_.count = n_;
       mine_.segment = seg_;
       mine_.seq = seq_;
+      mine_.layout = op_.layout.id;
       for (const auto& st : s_.steps) {
         if (st.send_peer >= 0 && std::find(to_.begin(), to_.end(), st.send_peer) == to_.end()) to_.push_back(st.send_peer);
         if (st.recv_peer >= 0 && std::find(from_.begin(), from_.end(), st.recv_peer) == from_.end()) from_.push_back(st.recv_peer);
@@ -223,7 +267,8 @@ class schedule_run {
     for (std::size_t i = 0; i < from_.size(); ++i) {
       if (!t_.wait(header_recvs_[i], g_.deadline()))
         throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0));
-      const std::string why = describe_mismatch(mine_, theirs_[i]);
+      std::string why = describe_mismatch(mine_, theirs_[i]);
+      if (!why.empty() && theirs_[i].layout != mine_.layout && mine_.layout) why += "; this rank's: " + op_.layout.str();
       if (!why.empty()) throw fail(errc::mismatch, from_[i], why);
     }
   }
@@ -380,7 +425,10 @@ class schedule_run {
 
   // ---- helpers ---------------------------------------------------------------------------------
 
-  std::pair<std::size_t, std::size_t> chunk(std::uint32_t c) const { return chunk_range(n_, s_.chunks, c); }
+  std::pair<std::size_t, std::size_t> chunk(std::uint32_t c) const {
+    const auto& off = op_.layout.offsets;
+    return off.empty() ? chunk_range(n_, s_.chunks, c) : std::pair{off[c], off[c + 1]};
+  }
 
   void cut(topology::chunk_span span, std::vector<segment>& out) const {
     out.clear();
