@@ -56,7 +56,7 @@ struct options {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "lockstep-bench-allreduce: %s\n"
-               "usage: lockstep-bench-allreduce [--transport inproc|mpi] [--topology ring|torus2d[,..]]\n"
+               "usage: lockstep-bench-allreduce [--transport inproc|mpi] [--topology ring|torus2d|halving_doubling|recursive_doubling[,..]]\n"
                "         [--codec fp32|bf16|int8|dyntree8[,..]] [--ranks N] [--sizes 4K,1M,64M]\n"
                "         [--iters N] [--segment-bytes B] [--no-mpi-allreduce] [--json] [--check]\n",
                why);
@@ -122,7 +122,8 @@ options parse(int argc, char** argv) {
   if (o.transport.empty()) o.transport = under_mpirun() ? "mpi" : "inproc";
   if (o.transport != "inproc" && o.transport != "mpi") usage(("unknown transport " + o.transport).c_str());
   for (const auto& t : o.topologies)
-    if (t != "ring" && t != "torus2d") usage(("unknown topology " + t).c_str());
+    if (t != "ring" && t != "torus2d" && t != "halving_doubling" && t != "recursive_doubling")
+      usage(("unknown topology " + t).c_str());
   for (const auto& c : o.codecs)
     if (c != "fp32" && c != "bf16" && c != "int8" && c != "dyntree8") usage(("unknown codec " + c).c_str());
   if (o.sizes.empty())
@@ -186,7 +187,7 @@ void print_header(const options& o, int ranks, const std::string& transport) {
   if (o.json) return;
   std::printf("# lockstep-bench-allreduce: all_reduce (sum, in place), %d ranks, transport %s\n", ranks, transport.c_str());
   std::printf("# time: slowest rank's mean; busbw = algbw * 2(N-1)/N; max_rel_err vs fp64, relative to max |result|\n");
-  std::printf("#%13s %12s %-14s %-9s %11s %12s %12s %12s\n", "bytes", "count", "topology", "codec", "time(us)",
+  std::printf("#%13s %12s %-18s %-9s %11s %12s %12s %12s\n", "bytes", "count", "topology", "codec", "time(us)",
               "algbw(GB/s)", "busbw(GB/s)", "max_rel_err");
   std::fflush(stdout);
 }
@@ -221,7 +222,7 @@ void print_row(const options& o, const row& r, std::size_t segment) {
         r.max_rel_err,
         r.topology == "mpi_allreduce" ? "" : (",\"segment_bytes\":" + std::to_string(segment) + extra_keys).c_str());
   } else {
-    std::printf(" %13zu %12zu %-14s %-9s %11.1f %12.3f %12.3f %12.2e\n", r.bytes, r.bytes / sizeof(float),
+    std::printf(" %13zu %12zu %-18s %-9s %11.1f %12.3f %12.3f %12.2e\n", r.bytes, r.bytes / sizeof(float),
                 r.topology.c_str(), r.codec.c_str(), r.time_us, algbw, busbw, r.max_rel_err);
   }
   std::fflush(stdout);
@@ -275,6 +276,8 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
         else out.push_back(lockstep_contender<codec::dyntree8>(g, topo, tn));
       };
       if (tn == "ring") add(topology::ring{});
+      else if (tn == "halving_doubling") add(topology::halving_doubling{});
+      else if (tn == "recursive_doubling") add(topology::recursive_doubling{});
       else add(topology::torus2d{});
     }
   return out;

@@ -67,7 +67,8 @@ struct options {
 void usage() {
   std::puts(
       "usage: lockstep-sim [options]\n"
-      "  --topology LIST      ring,torus2d,halving_doubling (halving_doubling: closed form only)\n"
+      "  --topology LIST      ring,torus2d,halving_doubling,recursive_doubling (closed forms of the\n"
+      "                       last two for powers of two; otherwise their column repeats the simulation)\n"
       "  --codec LIST         fp32,bf16,int8,dyntree8; NAME+ef: under error feedback\n"
       "  --ranks LIST         group sizes, e.g. 16,64,256,1024,4096\n"
       "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
@@ -171,10 +172,20 @@ prediction predict(const std::string& topo, const sim::codec_model& c, int size,
     sim::simulator s(cl, c);
     auto r = s.all_reduce(topology::torus2d{rows, cols}, size, n);
     p.sim_s = r.time_s, p.messages = r.messages;
-  } else if (topo == "halving_doubling") {
-    p.closed_s = sim::halving_doubling_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+  } else if (topo == "halving_doubling" || topo == "recursive_doubling") {
+    // closed forms for powers of two only (the fold has none): else the simulation alone
+    const bool pow2 = (size & (size - 1)) == 0;
+    const bool hd = topo == "halving_doubling";
+    if (pow2)
+      p.closed_s = (hd ? sim::halving_doubling_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead)
+                       : sim::recursive_doubling_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead))
+                       .time(cl.nic, c.rates);
+    sim::simulator s(cl, c);
+    auto r = hd ? s.all_reduce(topology::halving_doubling{}, size, n) : s.all_reduce(topology::recursive_doubling{}, size, n);
+    p.sim_s = r.time_s, p.messages = r.messages;
+    if (!pow2) p.closed_s = r.time_s;
   } else {
-    throw std::invalid_argument("unknown topology '" + topo + "' (ring, torus2d, halving_doubling)");
+    throw std::invalid_argument("unknown topology '" + topo + "' (ring, torus2d, halving_doubling, recursive_doubling)");
   }
   return p;
 }
@@ -317,7 +328,7 @@ int run_predict(const options& o) {
   auto models = codec_models(o, o.codecs);
   if (o.measure_gamma) print_gamma(o, models);
   if (!o.json)
-    std::printf("%-16s %-11s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
+    std::printf("%-18s %-11s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
                 "closed_us", "busbw_GB/s", "sim_wall_s");
   for (double bytes : o.bytes)
     for (const auto& topo : o.topologies)
@@ -337,7 +348,7 @@ int run_predict(const options& o) {
                         busbw / 1e9, static_cast<unsigned long long>(p.messages), o.cl.nic.latency_s * 1e6,
                         o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency, o.cl.ranks_per_host, wall);
           else
-            std::printf("%-16s %-11s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
+            std::printf("%-18s %-11s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
                         p.sim_s >= 0 ? std::to_string(p.sim_s * 1e6).c_str() : "-", p.closed_s * 1e6, busbw / 1e9, wall);
         }
   return 0;
