@@ -4,7 +4,8 @@
 // same files, same core, in the same run.
 //
 //   lockstep-bench-input-pipeline [--dir DIR] [--size 224] [--batch 32] [--batches 16] [--rounds 3]
-//                                 [--cpu 0] [--threads 1] [--python /usr/bin/python3] [--no-torch] [--json]
+//                                 [--cpu 0] [--threads 1] [--cache] [--view] [--python /usr/bin/python3]
+//                                 [--no-torch] [--json]
 //
 // Without --dir it writes (once, and reuses) a Fashion-JPEG folder of 100 images per class at
 // 400x350, quality 90 (samples/common/fashion_jpeg.hpp) under $TMPDIR. Both peers are pinned to the
@@ -40,14 +41,15 @@ struct options {
   std::string dir;
   int size = 224, batch = 32, batches = 16, rounds = 3, cpu = 0, threads = 1;
   unsigned scales = sample::image_pipeline_options{}.scales;
-  bool cache = false, torch = true, json = false;
+  bool cache = false, torch = true, json = false, view = false;
   std::string python = "/usr/bin/python3";
 };
 
 [[noreturn]] void usage(int rc) {
   std::fprintf(rc ? stderr : stdout,
                "usage: lockstep-bench-input-pipeline [--dir DIR] [--size 224] [--batch 32] [--batches 16] [--rounds 3]\n"
-               "                                     [--cpu 0] [--threads 1] [--cache] [--python PATH] [--no-torch] [--json]\n");
+               "                                     [--cpu 0] [--threads 1] [--cache] [--view] [--python PATH] [--no-torch] [--json]\n"
+               "  --view: take batches with next_view() (no copy) instead of next()\n");
   std::exit(rc);
 }
 
@@ -78,6 +80,7 @@ options parse(int argc, char** argv) {
     else if (a == "--cpu") o.cpu = number();
     else if (a == "--threads") o.threads = number();
     else if (a == "--cache") o.cache = true;
+    else if (a == "--view") o.view = true;
     else if (a == "--scales") o.scales = static_cast<unsigned>(std::strtoul(value().c_str(), nullptr, 0));
     else if (a == "--python") o.python = value();
     else if (a == "--no-torch") o.torch = false;
@@ -191,7 +194,8 @@ int main(int argc, char** argv) {
       pipe.next(images.data(), labels.data());  // warm-up, as the peer's
       const auto t0 = std::chrono::steady_clock::now();
       const double c0 = cpu_seconds();
-      for (int b = 0; b < o.batches; ++b) pipe.next(images.data(), labels.data());
+      sample::image_pipeline::batch_view v;
+      for (int b = 0; b < o.batches; ++b) o.view ? pipe.next_view(v) : pipe.next(images.data(), labels.data());
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       // The decode thread runs `prefetch` batches ahead: the CPU time of the loop covers as many
       // batches as were taken, within those two; over 16 batches that is the stated 1-in-8 slack
@@ -215,9 +219,10 @@ int main(int argc, char** argv) {
     const int n = static_cast<int>(pipe.images());
     if (o.json) {
       std::printf("{\"bench\":\"input_pipeline\",\"peer\":\"lockstep\",\"dir\":\"%s\",\"files\":%d,\"size\":%d,\"batch\":%d,"
-                  "\"batches\":%d,\"rounds\":%d,\"cpu\":%d,\"threads\":%d,\"cache\":%s,\"images_per_s\":%.1f,"
+                  "\"batches\":%d,\"rounds\":%d,\"cpu\":%d,\"threads\":%d,\"cache\":%s,\"view\":%s,\"images_per_s\":%.1f,"
                   "\"images_per_cpu_s\":%.1f}\n",
-                  o.dir.c_str(), n, o.size, o.batch, o.batches, o.rounds, o.cpu, o.threads, o.cache ? "true" : "false", a, ac);
+                  o.dir.c_str(), n, o.size, o.batch, o.batches, o.rounds, o.cpu, o.threads, o.cache ? "true" : "false",
+                  o.view ? "true" : "false", a, ac);
       if (!theirs.empty())
         std::printf("{\"bench\":\"input_pipeline\",\"peer\":\"torchvision\",\"dir\":\"%s\",\"files\":%d,\"size\":%d,\"batch\":%d,"
                     "\"batches\":%d,\"rounds\":%d,\"cpu\":%d,\"images_per_s\":%.1f,\"images_per_cpu_s\":%.1f,"
@@ -230,7 +235,7 @@ int main(int argc, char** argv) {
       std::printf("%-52s %12s %16s\n", "pipeline (decoded+cropped+flipped+normalised)", "images/s", "images/cpu-s");
       std::printf("%-52s %12.1f %16.1f\n",
                   ("lockstep image_pipeline, " + std::to_string(o.threads) + " decode thread" + (o.threads > 1 ? "s" : "") +
-                   (o.cache ? ", cache" : ""))
+                   (o.cache ? ", cache" : "") + (o.view ? ", next_view" : ", next"))
                       .c_str(),
                   a, ac);
       if (!theirs.empty()) {

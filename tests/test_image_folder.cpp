@@ -25,6 +25,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../samples/common/image_folder.hpp"
@@ -565,6 +566,33 @@ TEST_CASE("a run is deterministic: threads, prefetch and the cache change nothin
     CHECK(run_epoch(p, q, 1).labels == b.labels);
     if (cache) CHECK(p.cached_bytes() > 0);
   }
+  // next_view: the same batches without the copy, unchanged while held even with the workers free
+  // to run ahead (prefetch 1: the held slot is the only one).
+  for (int prefetch : {1, 3}) {
+    sample::image_pipeline_options q = o;
+    q.threads = 3;
+    q.prefetch = prefetch;
+    sample::image_pipeline pv(q);
+    pv.start_epoch(0);
+    sample::image_pipeline::batch_view v;
+    std::size_t s = 0;
+    while (pv.next_view(v)) {
+      REQUIRE(s < a.images.size());
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      CHECK(std::equal(a.images[s].begin(), a.images[s].end(), v.images));
+      CHECK(std::equal(a.labels[s].begin(), a.labels[s].end(), v.labels));
+      ++s;
+    }
+    CHECK(s == a.images.size());
+    // Mixed with next(), and across an epoch restart.
+    pv.start_epoch(1);
+    REQUIRE(pv.next_view(v));
+    CHECK(std::equal(b.images[0].begin(), b.images[0].end(), v.images));
+    std::vector<float> img(b.images[0].size());
+    std::vector<std::int32_t> lbl(4);
+    REQUIRE(pv.next(img.data(), lbl.data()));
+    CHECK(img == b.images[1]);
+  }
   // channels_last: the same epoch, interleaved.
   sample::image_pipeline_options last = o;
   last.channels_last = true;
@@ -702,6 +730,13 @@ TEST_CASE("synthetic mode: no files, the requested shapes, seeded labels", "[pip
       labels.insert(v);
     }
   CHECK(labels.size() > 3);
+  // next_view: the same labels and pool, no copy.
+  p.start_epoch(0);
+  sample::image_pipeline::batch_view v;
+  for (std::size_t s = 0; p.next_view(v); ++s) {
+    CHECK(std::equal(a.labels[s].begin(), a.labels[s].end(), v.labels));
+    CHECK(std::equal(a.images[s].begin(), a.images[s].end(), v.images));
+  }
   // Pixels are normalised bytes: within [(0 - mean) / sd, (1 - mean) / sd].
   for (float v : a.images[0]) REQUIRE((v >= -0.485f / 0.225f - 1e-3f && v <= (1 - 0.406f) / 0.225f + 1e-3f));
 }
