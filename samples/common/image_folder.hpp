@@ -88,7 +88,7 @@ struct image_pipeline_options {
   double ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;  // and its aspect-ratio range
   bool channels_last = false;      // images as (batch, size, size, 3), NHWC, instead of NCHW
   unsigned scales = simd_scales;   // DCT scales the decoder may choose (jpeg.hpp: 1/8, 2/8, 4/8, 8/8; all_scales for all n/8)
-  double timeout_s = 600;          // next() gives up (std::runtime_error) after waiting this long for a batch
+  double timeout_s = 600;          // next() and start_epoch() give up (std::runtime_error) after waiting this long
 };
 
 // torchvision.transforms.RandomResizedCrop.get_params with our generator: integer crop (i, j, h, w).
@@ -320,7 +320,9 @@ class image_pipeline {
     std::unique_lock lk(mu_);
     holding_ = false;
     active_ = false;  // workers take no new image while the state below changes
-    done_cv_.wait(lk, [&] { return in_flight_ == 0; });
+    if (!done_cv_.wait_for(lk, std::chrono::duration<double>(o_.timeout_s), [&] { return in_flight_ == 0; }))
+      throw std::runtime_error("image_pipeline::start_epoch: " + std::to_string(in_flight_) + " images still being read after " +
+                               std::to_string(o_.timeout_s) + " s (a file read stuck?)");
     epoch_ = epoch;
     taken_ = fill_step_ = 0;
     fill_k_ = 0;
