@@ -7,8 +7,8 @@
 //                                 [--cpu 0] [--threads 1] [--cache] [--view] [--python /usr/bin/python3]
 //                                 [--no-torch] [--json]
 //
-// Without --dir it writes (once, and reuses) a Fashion-JPEG folder of 100 images per class at
-// 400x350, quality 90 (samples/common/fashion_jpeg.hpp) under $TMPDIR. Both peers are pinned to the
+// Without --dir it writes (once, and reuses) a Fashion-JPEG folder of --per-class (100) images per
+// class at 400x350, quality 90 (samples/common/fashion_jpeg.hpp) under $TMPDIR. Both peers are pinned to the
 // one core --cpu: lockstep's decode thread(s) and the consuming thread share it, as torch's single
 // thread and the Python interpreter do. Each round times --batches batches after one warm-up batch,
 // lockstep then torchvision, so a busy neighbour slows both alike; the table shows the median
@@ -39,7 +39,7 @@ namespace {
 
 struct options {
   std::string dir;
-  int size = 224, batch = 32, batches = 16, rounds = 3, cpu = 0, threads = 1;
+  int size = 224, batch = 32, batches = 16, rounds = 3, cpu = 0, threads = 1, per_class = 100;
   unsigned scales = sample::image_pipeline_options{}.scales;
   bool cache = false, torch = true, json = false, view = false;
   std::string python = "/usr/bin/python3";
@@ -49,6 +49,8 @@ struct options {
   std::fprintf(rc ? stderr : stdout,
                "usage: lockstep-bench-input-pipeline [--dir DIR] [--size 224] [--batch 32] [--batches 16] [--rounds 3]\n"
                "                                     [--cpu 0] [--threads 1] [--cache] [--view] [--python PATH] [--no-torch] [--json]\n"
+               "                                     [--per-class 100]\n"
+               "  --per-class N: images per class of the default folder (without --dir)\n"
                "  --view: take batches with next_view() (no copy) instead of next()\n");
   std::exit(rc);
 }
@@ -79,6 +81,7 @@ options parse(int argc, char** argv) {
     else if (a == "--rounds") o.rounds = number();
     else if (a == "--cpu") o.cpu = number();
     else if (a == "--threads") o.threads = number();
+    else if (a == "--per-class") o.per_class = number();
     else if (a == "--cache") o.cache = true;
     else if (a == "--view") o.view = true;
     else if (a == "--scales") o.scales = static_cast<unsigned>(std::strtoul(value().c_str(), nullptr, 0));
@@ -90,22 +93,24 @@ options parse(int argc, char** argv) {
       usage(2);
     }
   }
-  if (o.size < 1 || o.batch < 1 || o.batches < 1 || o.rounds < 1 || o.threads < 1) usage(2);
+  if (o.size < 1 || o.batch < 1 || o.batches < 1 || o.rounds < 1 || o.threads < 1 || o.per_class < 1) usage(2);
   return o;
 }
 
 // The default folder: made once, reused while its marker says it is complete.
-std::string default_folder() {
+std::string default_folder(int per_class) {
   namespace fs = std::filesystem;
   const char* tmp = std::getenv("TMPDIR");
-  const std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/lockstep-bench-fashion-jpeg-400x350-q90-100";
+  const std::string dir =
+      std::string(tmp && *tmp ? tmp : "/tmp") + "/lockstep-bench-fashion-jpeg-400x350-q90-" + std::to_string(per_class);
   if (fs::exists(dir + "/complete")) return dir;
   fs::remove_all(dir);
   sample::fashion_jpeg_options f;
   f.out = dir;
-  f.limit = 100;
+  f.limit = per_class;
   f.threads = 2;
-  std::fprintf(stderr, "lockstep-bench-input-pipeline: writing %s (1,000 + 1,000 JPEGs, once)\n", dir.c_str());
+  std::fprintf(stderr, "lockstep-bench-input-pipeline: writing %s (%d + %d JPEGs, once)\n", dir.c_str(), 10 * per_class,
+               10 * per_class);
   sample::write_fashion_jpeg_folder(f);
   std::FILE* m = std::fopen((dir + "/complete").c_str(), "w");
   if (m) std::fclose(m);
@@ -172,7 +177,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    if (o.dir.empty()) o.dir = default_folder();
+    if (o.dir.empty()) o.dir = default_folder(o.per_class);
     sample::image_pipeline_options po;
     po.dir = o.dir;
     po.size = o.size;
