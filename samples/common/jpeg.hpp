@@ -56,6 +56,7 @@
 #include <csetjmp>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -287,7 +288,7 @@ class jpeg_decoder {
     err_.pub.emit_message = jpeg_detail::on_message;
     err_.pub.output_message = jpeg_detail::no_output;
     err_.message[0] = 0;
-    jpeg_create_decompress(&cinfo_);  // allocation failure here would error_exit: out of memory
+    if (!create()) throw std::runtime_error(std::string("jpeg_decoder: libjpeg: ") + err_.message);
   }
   ~jpeg_decoder() { jpeg_destroy_decompress(&cinfo_); }
   jpeg_decoder(const jpeg_decoder&) = delete;
@@ -396,6 +397,12 @@ class jpeg_decoder {
 
   // The setjmp frames below hold no object with a destructor, and everything they write that is
   // read after a longjmp lives in *this.
+  bool create() {
+    if (setjmp(err_.jump)) return false;  // out of memory in jpeg_create_decompress
+    jpeg_create_decompress(&cinfo_);
+    return true;
+  }
+
   bool header_phase(const std::uint8_t* data, std::size_t n, jpeg_header* h, std::size_t* scan_start) {
     if (setjmp(err_.jump)) return false;
     jpeg_abort_decompress(&cinfo_);
