@@ -8,7 +8,7 @@
 // then times --iters in-place sums. Every iteration reduces a different buffer of a rotating set
 // larger than twice the last-level cache, so no iteration starts with its data in cache; the
 // time is the slowest rank's mean. All topology x codec cases of a size (and MPI_Allreduce) are
-// timed in interleaved rounds, so that a neighbour's load on a shared machine skews none of them. algbw = bytes / time, busbw = algbw * 2 (N - 1) / N (the bytes
+// timed in interleaved rounds, each round starting with the next contender, so that a neighbour's load on a shared machine skews none of them. algbw = bytes / time, busbw = algbw * 2 (N - 1) / N (the bytes
 // each rank's link carries in a bandwidth-optimal all-reduce, as nccl-tests defines it). bytes
 // are the fp32 input's, whatever the codec puts on the wire.
 //
@@ -346,7 +346,10 @@ std::vector<row> measure(std::vector<contender>& cs, std::size_t bytes, int rank
   const int rounds = std::min(iters, 16);
   for (int r = 0; r < rounds; ++r) {
     const int batch = iters * (r + 1) / rounds - iters * r / rounds;
-    for (std::size_t i = 0; i < cs.size(); ++i) {
+    // Each round starts with the next contender: the first after the barrier runs slower on a
+    // loaded machine (4 KiB: up to 1.5x), and that penalty is shared out instead of falling on one.
+    for (std::size_t turn = 0; turn < cs.size(); ++turn) {
+      const std::size_t i = (turn + static_cast<std::size_t>(r)) % cs.size();
       std::size_t left = static_cast<std::size_t>(batch);
       while (left > 0) {
         if (cursor - filled_at >= reuse_limit) {

@@ -3,8 +3,8 @@
 //   topology::automatic a = lockstep::calibrate_automatic(g);   // collective: every rank calls it
 //
 // Measures gamma of fp32, bf16, int8 and dyntree8 on this machine (sim::measure_rates), times
-// fp32 all-reduces over the ring (one-way steps) at 4 KiB, 256 KiB and 4 MiB and, on a power of
-// two, over recursive doubling (pairwise exchanges) at 4 and 256 KiB, each the median of a few
+// fp32 all-reduces over the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of
+// two, over recursive doubling (pairwise exchanges) at the same sizes, each the median of a few
 // runs, averages all of it over the group (an all_reduce: the same bits on every rank), and fits
 // alpha and beta to the closed forms (sim::fit_alpha_beta; eta held at 1). Every rank then holds the same
 // parameters and so makes the same choices. About a quarter of a second on an idle machine; on a
@@ -33,8 +33,10 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
   const int size = g.size();
   const bool pow2 = (size & (size - 1)) == 0;
   // (what, bytes): 0 ring, 1 recursive doubling
-  std::vector<std::pair<int, std::size_t>> cases = {{0, 4u << 10}, {0, 256u << 10}, {0, 4u << 20}};
-  if (pow2 && size > 1) cases.insert(cases.end(), {{1, 4u << 10}, {1, 256u << 10}});
+  // Sizes where the candidates' times cross (the choices that matter): where latency and
+  // bandwidth weigh alike, not far beyond, where every bandwidth-optimal candidate costs the same.
+  std::vector<std::pair<int, std::size_t>> cases = {{0, 4u << 10}, {0, 64u << 10}, {0, 1u << 20}};
+  if (pow2 && size > 1) cases.insert(cases.end(), {{1, 4u << 10}, {1, 64u << 10}, {1, 1u << 20}});
   constexpr int codecs = 4;
   // (codec, routine) then (case): this rank's measurements, averaged over the group below
   std::vector<float> m(codecs * 3 + cases.size(), 0.0f);
