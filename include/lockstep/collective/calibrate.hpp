@@ -44,7 +44,9 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
     m[3 * i] = static_cast<float>(r.encode_s * 1e9), m[3 * i + 1] = static_cast<float>(r.decode_s * 1e9);
     m[3 * i + 2] = static_cast<float>(r.decode_add_s * 1e9);
   };
-  const std::size_t gamma_n = std::size_t{1} << 18;
+  // Out of cache (16 MiB of fp32), as large buffers meet it: where codec work decides a choice,
+  // the buffer is large; a small one is decided by alpha.
+  const std::size_t gamma_n = std::size_t{1} << 22;
   put_rates(0, sim::measure_rates(codec::fp32{}, gamma_n));
   put_rates(1, sim::measure_rates(codec::bf16{}, gamma_n));
   put_rates(2, sim::measure_rates(codec::int8{}, gamma_n));
