@@ -3,7 +3,7 @@
 // every rank puts on the wire per step (transport::counting) and the step time.
 //
 //   lockstep-bench-hybrid [--ranks 4] [--batch 32] [--features 2048] [--fc 4096,4096] [--classes 10]
-//                         [--modes dp-fp32,dp-dyntree8,a-fp32,b-dyntree8,...] [--iters 5] [--json]
+//                         [--modes dp-fp32,dp-dyntree8,a-fp32,b-dyntree8,...] [--iters 5] [--threads T] [--json]
 //   mpirun -np 4 lockstep-bench-hybrid --transport mpi ...       (bench/netlab --bench-args runs this)
 //
 // Modes: dp-<codec>: every rank holds the whole head, computes on its --batch rows and all-reduces
@@ -48,6 +48,7 @@ struct options {
   std::vector<std::string> modes = {"dp-fp32", "dp-dyntree8", "a-fp32", "a-dyntree8", "b-fp32", "b-dyntree8", "c-fp32",
                                     "c-int8", "c-dyntree8"};
   int iters = 5;
+  int threads = 0;  // oneDNN (OpenMP) threads per rank; 0: hardware threads / ranks, at least 1
   bool json = false;
 };
 
@@ -80,6 +81,7 @@ options parse(int argc, char** argv) {
     } else if (a == "--classes") o.NC = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--modes") o.modes = split_list(next());
     else if (a == "--iters") o.iters = std::max(1, std::atoi(next().c_str()));
+    else if (a == "--threads") o.threads = std::atoi(next().c_str());
     else if (a == "--json") o.json = true;
     else if (a == "--help" || a == "-h") {
       std::printf("usage: lockstep-bench-hybrid [--transport inproc|mpi] [--ranks N] [--batch B] [--features F]\n"
@@ -265,7 +267,9 @@ int main(int argc, char** argv) {
       transport::mpi_session session(&argc, &argv);
       using counted = transport::counting<transport::mpi>;
       group<counted> g(counted(transport::mpi(MPI_COMM_WORLD)));
-      omp_set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 1));
+      // netlab's hosts share this machine's cores: hardware threads / ranks each, as in-process
+      omp_set_num_threads(o.threads > 0 ? o.threads
+                                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / g.size()));
       std::vector<row> rows;
       for (const auto& m : o.modes) rows.push_back(run_mode(g, o, m));
       if (g.rank() == 0) report(o, rows, "mpi", g.size());
@@ -279,7 +283,7 @@ int main(int argc, char** argv) {
     auto world = transport::inproc::make_world(o.ranks);
     std::vector<row> rows;
     std::mutex m;
-    const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / o.ranks);
+    const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / o.ranks);
     transport::detail::run_ranks(o.ranks, *world, [&](int r) {
       omp_set_num_threads(threads);
       group<counted> g(counted(transport::inproc(world, r)));
