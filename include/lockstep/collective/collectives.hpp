@@ -60,18 +60,43 @@ void check_sizes(const G& g, const char* op, std::size_t in, std::size_t out, st
                     std::to_string(size) + " x " + out_name + " (" + std::to_string(out) + ")");
 }
 
-// The whole call of one collective, to run now or later: validation, schedule, the walk.
+// One collective over a concrete topology: validation, schedule, the walk. segment_bytes: the
+// call's own segment size (0: the group's).
+template <class G, topology::topology T, class C, class Epilogue>
+void run_call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue& ep,
+              chunk_layout layout = {}, std::size_t segment_bytes = 0, const std::string& label_prefix = {}) {
+  op_desc d = describe(kind, g, topo, codec, rop, root);
+  d.layout = std::move(layout);
+  d.segment_bytes = segment_bytes;
+  if (!label_prefix.empty()) d.label = std::string(to_string(kind)) + "(" + label_prefix + topo.name() + ", " + std::string(codec.name()) + ")";
+  const topology::schedule s = kind == op_kind::reduce_scatter ? topo.reduce_scatter(g.rank(), g.size())
+                               : kind == op_kind::all_gather   ? topo.all_gather(g.rank(), g.size())
+                               : kind == op_kind::broadcast    ? topology::broadcast_schedule(topo, root, g.rank(), g.size())
+                                                               : topology::all_reduce_schedule(topo, g.rank(), g.size());
+  run_schedule(g, s, buf, codec, d, ep);
+}
+
+// The whole call of one collective, to run now or later. A topology chosen per call
+// (topology::automatic) picks a concrete one and a segment size here, on the thread that runs
+// the call, from inputs every rank shares (group size, count, codec).
 template <class G, class T, class C, class Epilogue>
 auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue ep,
           chunk_layout layout = {}) {
   return [&g, kind, buf, topo, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
-    op_desc d = describe(kind, g, topo, codec, rop, root);
-    d.layout = std::move(layout);
-    const topology::schedule s = kind == op_kind::reduce_scatter ? topo.reduce_scatter(g.rank(), g.size())
-                                 : kind == op_kind::all_gather   ? topo.all_gather(g.rank(), g.size())
-                                 : kind == op_kind::broadcast    ? topology::broadcast_schedule(topo, root, g.rank(), g.size())
-                                                                 : topology::all_reduce_schedule(topo, g.rank(), g.size());
-    run_schedule(g, s, buf, codec, d, ep);
+    if constexpr (topology::per_call<T>) {
+      using topology::operation;
+      const operation op = kind == op_kind::reduce_scatter ? operation::reduce_scatter
+                           : kind == op_kind::all_gather   ? operation::all_gather
+                           : kind == op_kind::broadcast    ? operation::broadcast
+                                                           : operation::all_reduce;
+      topo.validate(g.size(), g.rank());
+      const auto pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered);
+      T::visit(pick.kind, [&](const auto& concrete) {
+        run_call(kind, g, buf, concrete, codec, rop, root, ep, std::move(layout), pick.segment_bytes, "automatic: ");
+      });
+    } else {
+      run_call(kind, g, buf, topo, codec, rop, root, ep, std::move(layout));
+    }
   };
 }
 
@@ -132,20 +157,20 @@ inline void check_root(int root, int size, int rank) {
 
 // ---- all_reduce -------------------------------------------------------------------------------
 
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 void all_reduce(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                 reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
   detail::run_now(detail::op_kind::all_reduce, g, buf, topo, codec, op, -1, ep);
 }
 
-template <topology::topology T = topology::ring, codec::codec C = codec::fp32, transport::transport Tr>
+template <topology::topology_policy T = topology::ring, codec::codec C = codec::fp32, transport::transport Tr>
 void all_reduce(group<Tr>& g, std::span<float> buf, reduce_op op = reduce_op::sum) {
   T topo{};
   C codec{};
   all_reduce(g, buf, topo, codec, op);
 }
 
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 request all_reduce_async(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                          reduce_op op = reduce_op::sum, Epilogue ep = {}) {
   return detail::run_later(detail::op_kind::all_reduce, g, buf, topo, codec, op, -1, std::move(ep));
@@ -155,20 +180,20 @@ request all_reduce_async(group<Tr>& g, std::span<float> buf, const T& topo, C& c
 
 // buf holds n elements cut into size chunks (chunk_range); afterwards this rank's chunk holds the
 // reduction, the other chunks hold partial sums and are not meant to be read.
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 void reduce_scatter_inplace(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                             reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
   detail::run_now(detail::op_kind::reduce_scatter, g, buf, topo, codec, op, -1, ep);
 }
 
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 request reduce_scatter_inplace_async(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                                      reduce_op op = reduce_op::sum, Epilogue ep = {}) {
   return detail::run_later(detail::op_kind::reduce_scatter, g, buf, topo, codec, op, -1, std::move(ep));
 }
 
 // in: size * m elements, out: m elements (chunk `rank` of the reduction). in is not modified.
-template <transport::transport Tr, topology::topology T, codec::codec C>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C>
 void reduce_scatter(group<Tr>& g, std::span<const float> in, std::span<float> out, const T& topo, C& codec,
                     reduce_op op = reduce_op::sum) {
   detail::check_sizes(g, "reduce_scatter", in.size(), out.size(), out.size(), "input", "output");
@@ -186,18 +211,18 @@ void reduce_scatter(group<Tr>& g, std::span<const float> in, std::span<float> ou
 // ---- all_gather -------------------------------------------------------------------------------
 
 // buf holds n elements cut into size chunks; this rank's chunk is its input, the rest is filled.
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 void all_gather_inplace(group<Tr>& g, std::span<float> buf, const T& topo, C& codec, Epilogue&& ep = {}) {
   detail::run_now(detail::op_kind::all_gather, g, buf, topo, codec, reduce_op::sum, -1, ep);
 }
 
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 request all_gather_inplace_async(group<Tr>& g, std::span<float> buf, const T& topo, C& codec, Epilogue ep = {}) {
   return detail::run_later(detail::op_kind::all_gather, g, buf, topo, codec, reduce_op::sum, -1, std::move(ep));
 }
 
 // in: m elements, out: size * m elements, rank r's input at [r*m, (r+1)*m).
-template <transport::transport Tr, topology::topology T, codec::codec C>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C>
 void all_gather(group<Tr>& g, std::span<const float> in, std::span<float> out, const T& topo, C& codec) {
   detail::check_sizes(g, "all_gather", out.size(), in.size(), in.size(), "output", "input");
   g.space().copy(out.data() + in.size() * static_cast<std::size_t>(g.rank()), in.data(), in.size() * sizeof(float));
@@ -276,13 +301,13 @@ void reduce_scatter_v(group<Tr>& g, std::span<const float> in, std::span<float> 
 // The root's buffer reaches every rank: scatter from the root, then the topology's all-gather.
 // With a lossy codec the root's own buffer is replaced by the decoded values too, so that all
 // ranks hold the same bits.
-template <transport::transport Tr, topology::topology T, codec::codec C>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C>
 void broadcast(group<Tr>& g, std::span<float> buf, int root, const T& topo, C& codec) {
   detail::check_root(root, g.size(), g.rank());
   detail::run_now(detail::op_kind::broadcast, g, buf, topo, codec, reduce_op::sum, root, no_epilogue{});
 }
 
-template <transport::transport Tr, topology::topology T, codec::codec C>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C>
 request broadcast_async(group<Tr>& g, std::span<float> buf, int root, const T& topo, C& codec) {
   detail::check_root(root, g.size(), g.rank());
   return detail::run_later(detail::op_kind::broadcast, g, buf, topo, codec, reduce_op::sum, root, no_epilogue{});
