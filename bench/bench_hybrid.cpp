@@ -4,6 +4,7 @@
 //
 //   lockstep-bench-hybrid [--ranks 4] [--batch 32] [--features 2048] [--fc 4096,4096] [--classes 10]
 //                         [--modes dp-fp32,dp-dyntree8,a-fp32,b-dyntree8,...] [--iters 5] [--threads T] [--json]
+//                         [--predict-gbit G [--latency-us A] [--exchange-efficiency E]]
 //   mpirun -np 4 lockstep-bench-hybrid --transport mpi ...       (bench/netlab --bench-args runs this)
 //
 // Modes: dp-<codec>: every rank holds the whole head, computes on its --batch rows and all-reduces
@@ -14,7 +15,11 @@
 // model, identical in both modes and about 1% of the bytes, are not part of this step. Products
 // on oneDNN (dnnl_sgemm). Times: median over --iters steps after one warm-up step; bytes: one
 // step, data and headers, this rank's sends (the same on every rank up to the uneven splits).
+// --predict-gbit: beside each row the simulator's step (sim/hybrid.hpp) on links of G Gbit/s
+// (default α 0 and η 0.699, netlab's fit in docs/scaling.md), with the products at the rate this
+// rank measures while every rank multiplies, and the codecs' measured rates.
 #include <lockstep/lockstep.hpp>
+#include <lockstep/sim/hybrid.hpp>
 #include <lockstep/transport/counting.hpp>
 
 #include <oneapi/dnnl/dnnl.h>
@@ -49,6 +54,8 @@ struct options {
                                     "c-int8", "c-dyntree8"};
   int iters = 5;
   int threads = 0;  // oneDNN (OpenMP) threads per rank; 0: hardware threads / ranks, at least 1
+  double predict_gbit = 0;  // > 0: also the simulator's step (sim/hybrid.hpp) on links of this rate
+  double latency_us = 0, exchange_efficiency = 0.699;  // netlab's fitted link (docs/scaling.md)
   bool json = false;
 };
 
@@ -82,6 +89,9 @@ options parse(int argc, char** argv) {
     else if (a == "--modes") o.modes = split_list(next());
     else if (a == "--iters") o.iters = std::max(1, std::atoi(next().c_str()));
     else if (a == "--threads") o.threads = std::atoi(next().c_str());
+    else if (a == "--predict-gbit") o.predict_gbit = std::atof(next().c_str());
+    else if (a == "--latency-us") o.latency_us = std::atof(next().c_str());
+    else if (a == "--exchange-efficiency") o.exchange_efficiency = std::atof(next().c_str());
     else if (a == "--json") o.json = true;
     else if (a == "--help" || a == "-h") {
       std::printf("usage: lockstep-bench-hybrid [--transport inproc|mpi] [--ranks N] [--batch B] [--features F]\n"
@@ -122,7 +132,51 @@ struct row {
   std::string mode;
   double step_ms = 0;
   transport::traffic sent;
+  double predicted_ms = 0;  // the simulator's, with --predict-gbit
 };
+
+// The products' rate on this rank while every rank computes (they share the cores as in a step):
+// fc1's forward product of the whole batch's rows against one rank's columns, three times.
+template <class G>
+double measure_flops(G& g, const options& o) {
+  const std::size_t m = o.batch * static_cast<std::size_t>(g.size()), n = std::max<std::size_t>(1, o.H1 / g.size()), k = o.F;
+  std::vector<float> a(m * k, 0.01f), b(k * n, 0.01f), c(m * n);
+  sgemm({false, false, m, n, k, a.data(), k, b.data(), n, 0, c.data(), n});
+  barrier(g);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 3; ++i) sgemm({false, false, m, n, k, a.data(), k, b.data(), n, 0, c.data(), n});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  barrier(g);
+  return 3 * 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / s;
+}
+
+template <class C>
+sim::codec_model model_with_rates(const C& c) {
+  return sim::model_of(c, c.identity ? sim::codec_rates{} : sim::measure_rates(c, std::size_t{1} << 20, 2));
+}
+
+// The simulator's step for `mode` on the links of --predict-gbit.
+template <class G>
+double predict_ms(G& g, const options& o, const std::string& mode, double flops) {
+  sim::cluster cl;
+  cl.nic = {o.latency_us * 1e-6, o.predict_gbit * 1e9 / 8, o.exchange_efficiency};
+  cl.segment_bytes = G::transport_type::segment_bytes;
+  cl.segments_ahead = sim::cluster::as_executor;
+  const sim::fc_head h{g.size(), o.batch, o.F, o.H1, o.H2, o.NC};
+  const auto dash = mode.find('-');
+  const std::string kind = mode.substr(0, dash), cname = mode.substr(dash + 1);
+  const sim::codec_model f32 = sim::model_of(codec::fp32{});
+  sim::codec_model c = f32;
+  if (cname == "bf16") c = model_with_rates(codec::bf16{});
+  else if (cname == "int8") c = model_with_rates(codec::int8{});
+  else if (cname == "dyntree8") c = model_with_rates(codec::dyntree8{});
+  sim::step_estimate e;
+  if (kind == "dp") e = sim::data_parallel_step(cl, c, h, flops);
+  else if (kind == "a") e = sim::hybrid_step<parallel::gather_all>(cl, c, f32, h, flops);
+  else if (kind == "b") e = sim::hybrid_step<parallel::by_rank>(cl, c, f32, h, flops);
+  else e = sim::hybrid_step<parallel::by_slice>(cl, c, f32, h, flops);
+  return e.step_s * 1e3;
+}
 
 template <class G, class Step>
 row time_steps(G& g, const options& o, Step& step, const std::string& mode) {
@@ -217,7 +271,17 @@ row run_hybrid(G& g, const options& o, C codec, const std::string& mode) {
 }
 
 template <class G>
-row run_mode(G& g, const options& o, const std::string& mode) {
+row run_mode_measured(G& g, const options& o, const std::string& mode);
+
+template <class G>
+row run_mode(G& g, const options& o, const std::string& mode, double flops) {
+  row r = run_mode_measured(g, o, mode);
+  if (o.predict_gbit > 0) r.predicted_ms = predict_ms(g, o, mode, flops);
+  return r;
+}
+
+template <class G>
+row run_mode_measured(G& g, const options& o, const std::string& mode) {
   const auto dash = mode.find('-');
   const std::string kind = mode.substr(0, dash), cname = dash == std::string::npos ? "fp32" : mode.substr(dash + 1);
   auto with_codec = [&](auto&& f) -> row {
@@ -241,18 +305,20 @@ void report(const options& o, const std::vector<row>& rows, const std::string& t
   if (o.json) {
     for (const auto& r : rows)
       std::printf("{\"bench\":\"hybrid\",\"transport\":\"%s\",\"ranks\":%d,\"batch\":%zu,\"features\":%zu,\"h1\":%zu,"
-                  "\"h2\":%zu,\"mode\":\"%s\",\"step_ms\":%.3f,\"bytes\":%llu,\"messages\":%llu,\"header_bytes\":%llu}\n",
-                  transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms,
+                  "\"h2\":%zu,\"mode\":\"%s\",\"step_ms\":%.3f,\"predicted_ms\":%.3f,\"bytes\":%llu,\"messages\":%llu,"
+                  "\"header_bytes\":%llu}\n",
+                  transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms, r.predicted_ms,
                   static_cast<unsigned long long>(r.sent.bytes), static_cast<unsigned long long>(r.sent.messages),
                   static_cast<unsigned long long>(r.sent.header_bytes));
     return;
   }
   std::printf("%d ranks (%s), batch %zu per rank, head %zu -> %zu -> %zu -> %zu; rank 0's sends per step\n", ranks,
               transport_name.c_str(), o.batch, o.F, o.H1, o.H2, o.NC);
-  std::printf("%-12s %10s %8s %14s %10s %8s\n", "mode", "step ms", "x dp32", "bytes sent", "x dp32", "msgs");
+  std::printf("%-12s %10s %8s %10s %14s %10s %8s\n", "mode", "step ms", "x dp32", "sim ms", "bytes sent", "x dp32", "msgs");
   for (const auto& r : rows) {
     const double b = static_cast<double>(r.sent.bytes + r.sent.header_bytes);
-    std::printf("%-12s %10.2f %8.3f %14.0f %10.4f %8llu\n", r.mode.c_str(), r.step_ms, dp_ms > 0 ? r.step_ms / dp_ms : 0.0, b,
+    std::printf("%-12s %10.2f %8.3f %10.2f %14.0f %10.4f %8llu\n", r.mode.c_str(), r.step_ms, dp_ms > 0 ? r.step_ms / dp_ms : 0.0,
+                r.predicted_ms, b,
                 dp_bytes > 0 ? b / dp_bytes : 0.0, static_cast<unsigned long long>(r.sent.messages + r.sent.header_messages));
   }
 }
@@ -271,7 +337,8 @@ int main(int argc, char** argv) {
       omp_set_num_threads(o.threads > 0 ? o.threads
                                         : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / g.size()));
       std::vector<row> rows;
-      for (const auto& m : o.modes) rows.push_back(run_mode(g, o, m));
+      const double flops = o.predict_gbit > 0 ? measure_flops(g, o) : 0;
+      for (const auto& m : o.modes) rows.push_back(run_mode(g, o, m, flops));
       if (g.rank() == 0) report(o, rows, "mpi", g.size());
       return 0;
 #else
@@ -288,7 +355,8 @@ int main(int argc, char** argv) {
       omp_set_num_threads(threads);
       group<counted> g(counted(transport::inproc(world, r)));
       std::vector<row> mine;
-      for (const auto& mode : o.modes) mine.push_back(run_mode(g, o, mode));
+      const double flops = o.predict_gbit > 0 ? measure_flops(g, o) : 0;
+      for (const auto& mode : o.modes) mine.push_back(run_mode(g, o, mode, flops));
       if (r == 0) {
         std::lock_guard lk(m);
         rows = mine;

@@ -8,6 +8,7 @@
 #include <random>
 
 #include <lockstep/codec.hpp>
+#include <lockstep/collective/executor.hpp>  // chunk_range
 #include <lockstep/sim/cost_model.hpp>
 #include <lockstep/sim/fit.hpp>
 #include <lockstep/sim/simulator.hpp>
@@ -718,6 +719,34 @@ TEST_CASE("lockstep-sim knows every codec by the name it prints, error feedback 
   CHECK_FALSE(bench::codec_by_name("fp32+ef").identity);
   CHECK_THROWS_AS(bench::codec_by_name("+ef"), lockstep::error);
   CHECK_THROWS_AS(bench::codec_by_name("fp16+ef"), lockstep::error);
+}
+
+TEST_CASE("per-rank counts: equal counts as offsets change nothing; one-hot counts are a chain", "[sim][counts]") {
+  sim::cluster cl = gigabit();
+  cl.nic.latency_s = 0;
+  const sim::codec_model c = bench::codec_by_name("fp32");
+  for (int n : {2, 3, 5}) {
+    const std::size_t count = 4u << 20;  // values
+    std::vector<std::size_t> equal(static_cast<std::size_t>(n) + 1);
+    for (int k = 0; k <= n; ++k) equal[static_cast<std::size_t>(k)] = lockstep::chunk_range(count, n, k).first;
+    equal.back() = count;
+    auto rs = [&](int r) { return topology::ring{}.reduce_scatter(r, n); };
+    sim::simulator a(cl, c), b(cl, c);
+    a.disable_symmetry();
+    const double plain = a.run(n, count, rs, false).time_s;
+    const double with = b.run(n, count, rs, false, std::span<const std::size_t>(equal)).time_s;
+    CHECK(with == Approx(plain).epsilon(1e-12));
+    // All values owned by rank n-1: its chunk passes n-1 hops, each the whole buffer at 1 Gbit/s.
+    std::vector<std::size_t> hot(static_cast<std::size_t>(n) + 1, 0);
+    hot.back() = count;
+    sim::simulator h(cl, c);
+    const double chain = h.run(n, count, rs, false, std::span<const std::size_t>(hot)).time_s;
+    CHECK(chain == Approx((n - 1) * 4.0 * count / cl.nic.bandwidth_Bps).epsilon(0.01));
+  }
+  sim::simulator s(cl, c);
+  const std::vector<std::size_t> bad = {0, 5, 9};
+  CHECK_THROWS_WITH(s.run(2, 10, [](int r) { return topology::ring{}.all_gather(r, 2); }, false, std::span<const std::size_t>(bad)),
+                    Catch::Contains("end at 9, not at the 10 values"));
 }
 
 TEST_CASE("halving_doubling's and recursive_doubling's schedules simulate to their closed forms on powers of two",

@@ -40,6 +40,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -172,8 +173,10 @@ struct segment_cursor {
   std::uint64_t n = 0, chunks = 1, seg = 1;
   std::uint32_t chunk = 0, end = 0;  // current chunk, one past the last
   std::uint64_t offset = 0;          // within the current chunk
+  const std::size_t* offsets = nullptr;  // (chunk + 1): per-rank counts (all_gather_v ...), else equal chunks
 
   std::uint64_t chunk_len(std::uint32_t c) const noexcept {
+    if (offsets) return offsets[c + 1] - offsets[c];
     using wide = unsigned __int128;
     return static_cast<std::uint64_t>(wide(n) * (c + 1) / chunks - wide(n) * c / chunks);
   }
@@ -197,7 +200,9 @@ struct segment_cursor {
 
 // Simulates one collective: schedule_of(rank) gives each rank's schedule (all the same number of
 // chunks) over n fp32 values. `finalize_owned`: the all-reduce's owner encode + decode between the
-// phases (set it for all_reduce schedules).
+// phases (set it for all_reduce schedules). `offsets` (chunks + 1, ending at n): chunk c is
+// [offsets[c], offsets[c+1]) as all_gather_v / reduce_scatter_v cut it (detail::chunk_layout);
+// empty: equal chunks.
 class simulator {
  public:
   simulator(const cluster& cl, const codec_model& codec) : cl_(cl), codec_(codec) {
@@ -228,8 +233,11 @@ class simulator {
   }
 
   result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
-             bool finalize_owned = true) {
+             bool finalize_owned = true, std::span<const std::size_t> offsets = {}) {
     if (size < 1) throw error(errc::invalid_argument, "sim::simulator::run", -1, -1, "group size " + std::to_string(size) + ", not >= 1");
+    if (!offsets.empty() && offsets.back() != n)
+      throw error(errc::invalid_argument, "sim::simulator::run", -1, -1,
+                  "per-chunk offsets end at " + std::to_string(offsets.back()) + ", not at the " + std::to_string(n) + " values");
     last_symmetric_ = false;
     size_ = size;
     n_ = n;
@@ -250,7 +258,12 @@ class simulator {
         throw error(errc::mismatch, "sim::simulator::run", r, 0,
                     "this rank's schedule cuts the buffer into " + std::to_string(R.sched.chunks) + " chunks, rank 0's into " +
                         std::to_string(ranks_[0].sched.chunks));
+      if (!offsets.empty() && offsets.size() != std::size_t{R.sched.chunks} + 1)
+        throw error(errc::invalid_argument, "sim::simulator::run", r, -1,
+                    std::to_string(offsets.size()) + " per-chunk offsets for a schedule of " + std::to_string(R.sched.chunks) +
+                        " chunks (want chunks + 1)");
       max_steps = std::max<std::uint64_t>(max_steps, R.sched.steps);
+      R.send.offsets = R.recv.offsets = offsets.empty() ? nullptr : offsets.data();
       R.send.n = R.recv.n = n;
       R.send.chunks = R.recv.chunks = R.sched.chunks;
       R.send.seg = R.recv.seg = seg_;
