@@ -156,10 +156,12 @@ TEST_CASE("calibrate_automatic leaves every rank with the same parameters", "[au
     CHECK(a.link.latency_s == got[0].link.latency_s);
     CHECK(a.link.bandwidth_Bps == got[0].link.bandwidth_Bps);
     CHECK(a.link.exchange_efficiency == got[0].link.exchange_efficiency);
+    CHECK(a.link.overhead_s == got[0].link.overhead_s);
     CHECK(a.rates.size() == 4);
     CHECK(a.rates.at("int8").encode_s == got[0].rates.at("int8").encode_s);
   }
   CHECK(got[0].link.bandwidth_Bps > 0);
   CHECK(got[0].link.latency_s >= 0);
+  CHECK(got[0].link.overhead_s >= 0);
   CHECK(got[0].rates.at("fp32").decode_add_s > 0);
 }
