@@ -123,8 +123,11 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
     return run(o_segment) - run(g.segment_bytes());
   };
   const double d0 = predicted(0), slope = (predicted(1e-6) - d0) / 1e-6;
+  // No more than a whole step of the 4 KiB ring took (a flat slope on a noisy fit would make o
+  // anything at all).
+  const double o_max = m[codecs * 3] * 1e-6 / (2.0 * (size - 1));
   if (slope > 0 && measured > d0) {
-    a.link.overhead_s = (measured - d0) / slope;
+    a.link.overhead_s = std::min((measured - d0) / slope, o_max);
     a.link.latency_s = std::max(0.0, a.link.latency_s - 2 * a.link.overhead_s);
   }
   return a;
