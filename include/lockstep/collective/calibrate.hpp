@@ -101,7 +101,15 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
     x.beta_count += x.exchange_count, x.exchange_count = 0;
     samples.push_back(x);
   }
-  const sim::fit_result f = sim::fit_alpha_beta(samples);
+  // On a loaded machine the times may not fit any positive beta (fit_alpha_beta refuses them):
+  // then the given link stays, which every rank keeps alike.
+  sim::fit_result f;
+  f.link = a.link;
+  try {
+    f = sim::fit_alpha_beta(samples);
+  } catch (const error&) {
+    return a;
+  }
   // A fit the simulator cannot use (no bandwidth: times that fell with size on a noisy machine)
   // keeps the given link's value.
   if (f.link.latency_s >= 0) a.link.latency_s = f.link.latency_s;
