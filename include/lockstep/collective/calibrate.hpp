@@ -73,7 +73,7 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
         no_epilogue ep;
         if (cases[i].first == 0 || cases[i].first == 2) all_reduce(g, std::span<float>(x), topology::ring{}, c);
         else if (cases[i].first == 1) all_reduce(g, std::span<float>(x), topology::recursive_doubling{}, c);
-        else detail::run_call(detail::op_kind::all_reduce, g, std::span<float>(x), topology::ring{}, c, reduce_op::sum, -1, ep, o_segment);
+        else detail::run_call(detail::op_kind::all_reduce, g, std::span<float>(x), topology::ring{}, c, reduce_op::sum, -1, ep, detail::chunk_layout{}, o_segment);
         const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (r > 0) ts.push_back(t);
       }
