@@ -359,9 +359,14 @@ int run_explain(const options& o) {
       for (double bytes : o.bytes) {
         const std::size_t n = static_cast<std::size_t>(bytes) / sizeof(float);
         const auto all = a.explain(topology::operation::all_reduce, size, n, models.at(cn), o.cl.segment_bytes);
-        std::size_t best = 0;
-        for (std::size_t i = 0; i < all.size(); ++i)
-          if (all[i].predicted_s < all[best].predicted_s) best = i;  // choose()'s rule: the earlier on a tie
+        // choose()'s rule: the fastest at the group's segment (the earlier on a tie), unless
+        // another segment size is faster by more than the margin
+        std::size_t best = 0, other = all.size();
+        for (std::size_t i = 0; i < all.size(); ++i) {
+          if (all[i].segment_bytes == 0 && all[i].predicted_s < all[best].predicted_s) best = i;
+          if (all[i].segment_bytes != 0 && (other == all.size() || all[i].predicted_s < all[other].predicted_s)) other = i;
+        }
+        if (other < all.size() && all[other].predicted_s < all[best].predicted_s * (1 - a.segment_margin)) best = other;
         if (!o.json) std::printf("%-9s %5d ranks %12.0f bytes:\n", cn.c_str(), size, bytes);
         for (std::size_t i = 0; i < all.size(); ++i) {
           const auto& c = all[i];
