@@ -75,6 +75,7 @@ void usage() {
       "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
       "  --gbit G             NIC bandwidth per direction in Gbit/s (default 1)\n"
       "  --latency-us A       per-message latency alpha (default 25)\n"
+      "  --overhead-us O      core time per message posted and per message read (LogP's o; default 0)\n"
       "  --exchange-efficiency E  fraction of the bandwidth a pairwise exchange (send peer =\n"
       "                       receive peer: ring of 2, torus row/column of 2) gets, (0,1] (default 1)\n"
       "  --ranks-per-host K   ranks sharing one NIC (default 1)\n"
@@ -124,6 +125,7 @@ options parse(int argc, char** argv) {
       for (auto& s : split(next())) o.bytes.push_back(parse_size(s));
     } else if (a == "--gbit") o.cl.nic.bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--latency-us") o.cl.nic.latency_s = std::stod(next()) * 1e-6;
+    else if (a == "--overhead-us") o.cl.nic.overhead_s = std::stod(next()) * 1e-6;
     else if (a == "--exchange-efficiency") {
       o.cl.nic.exchange_efficiency = std::stod(next());
       if (!(o.cl.nic.exchange_efficiency > 0 && o.cl.nic.exchange_efficiency <= 1))
@@ -349,16 +351,22 @@ int run_explain(const options& o) {
   topology::automatic a;
   a.link = o.cl.nic;
   if (!o.json)
-    std::printf("# topology::automatic on alpha %.2f us, %.3f Gbit/s, eta %.2f; group segment %zu bytes\n",
-                o.cl.nic.latency_s * 1e6, o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency, o.cl.segment_bytes);
+    std::printf("# topology::automatic on alpha %.2f us, %.3f Gbit/s, eta %.2f, overhead %.2f us; group segment %zu bytes\n",
+                o.cl.nic.latency_s * 1e6, o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency,
+                o.cl.nic.overhead_s * 1e6, o.cl.segment_bytes);
   for (const auto& cn : o.codecs)
     for (int size : o.ranks)
       for (double bytes : o.bytes) {
         const std::size_t n = static_cast<std::size_t>(bytes) / sizeof(float);
         const auto all = a.explain(topology::operation::all_reduce, size, n, models.at(cn), o.cl.segment_bytes);
-        std::size_t best = 0;
-        for (std::size_t i = 0; i < all.size(); ++i)
-          if (all[i].predicted_s < all[best].predicted_s) best = i;  // choose()'s rule: the earlier on a tie
+        // choose()'s rule: the fastest at the group's segment (the earlier on a tie), unless
+        // another segment size is faster by more than the margin
+        std::size_t best = 0, other = all.size();
+        for (std::size_t i = 0; i < all.size(); ++i) {
+          if (all[i].segment_bytes == 0 && all[i].predicted_s < all[best].predicted_s) best = i;
+          if (all[i].segment_bytes != 0 && (other == all.size() || all[i].predicted_s < all[other].predicted_s)) other = i;
+        }
+        if (other < all.size() && all[other].predicted_s < all[best].predicted_s * (1 - a.segment_margin)) best = other;
         if (!o.json) std::printf("%-9s %5d ranks %12.0f bytes:\n", cn.c_str(), size, bytes);
         for (std::size_t i = 0; i < all.size(); ++i) {
           const auto& c = all[i];

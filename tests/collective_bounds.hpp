@@ -54,6 +54,12 @@ inline int hops(const lockstep::topology::recursive_doubling&, int n) {
   return hops(lockstep::topology::halving_doubling{}, n);
 }
 
+// automatic runs one of its candidates: the longest chain of any.
+inline int hops(const lockstep::topology::automatic&, int n) {
+  return std::max({hops(lockstep::topology::ring{}, n), hops(lockstep::topology::torus2d{}, n),
+                   hops(lockstep::topology::halving_doubling{}, n)});
+}
+
 // Quantisations on a value's path, each erring by up to delta times M when the error is relative
 // to a block's absmax. Where the reduction is a tree (ring, torus, halving-doubling: every rank
 // but the owner sends its partial sum of a chunk once) that is its N - 1 edges and the owner's
@@ -66,6 +72,9 @@ int quantisations(const T&, int n) {
 inline int quantisations(const lockstep::topology::recursive_doubling&, int n) {
   const lockstep::topology::detail::fold f(n);
   return n > 1 ? 2 * f.p - 1 + f.extra : 1;
+}
+inline int quantisations(const lockstep::topology::automatic&, int n) {
+  return std::max(n, quantisations(lockstep::topology::recursive_doubling{}, n));
 }
 
 // The factor of M for an all_reduce value (first order), from the longest chain's quantisations

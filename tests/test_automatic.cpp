@@ -73,8 +73,16 @@ TEST_CASE("automatic picks the simulator's fastest candidate, the earlier one on
       const auto all = a.explain(operation::all_reduce, n, count, c, std::size_t{1} << 20);
       REQUIRE(all.size() == 12);  // 4 topologies x (the group's segment, 256 KiB, 4 MiB)
       const choice pick = a.choose(operation::all_reduce, n, count, c, std::size_t{1} << 20);
-      for (const choice& x : all) CHECK(pick.predicted_s <= x.predicted_s);
-      const auto first = std::find_if(all.begin(), all.end(), [&](const choice& x) { return x.predicted_s == pick.predicted_s; });
+      // The fastest at the group's segment (the earlier on a tie), unless another segment size
+      // is faster by more than the margin.
+      double own = 1e300, other = 1e300;
+      for (const choice& x : all) (x.segment_bytes ? other : own) = std::min(x.segment_bytes ? other : own, x.predicted_s);
+      const bool switch_segment = other < own * (1 - a.segment_margin);
+      CHECK((pick.segment_bytes != 0) == switch_segment);
+      CHECK(pick.predicted_s == (switch_segment ? other : own));
+      const auto first = std::find_if(all.begin(), all.end(), [&](const choice& x) {
+        return x.predicted_s == pick.predicted_s && (x.segment_bytes != 0) == switch_segment;
+      });
       CHECK(first->kind == pick.kind);
       CHECK(first->segment_bytes == pick.segment_bytes);
       // The cached answer is the same, in this object and in a copy.
@@ -156,10 +164,12 @@ TEST_CASE("calibrate_automatic leaves every rank with the same parameters", "[au
     CHECK(a.link.latency_s == got[0].link.latency_s);
     CHECK(a.link.bandwidth_Bps == got[0].link.bandwidth_Bps);
     CHECK(a.link.exchange_efficiency == got[0].link.exchange_efficiency);
+    CHECK(a.link.overhead_s == got[0].link.overhead_s);
     CHECK(a.rates.size() == 4);
     CHECK(a.rates.at("int8").encode_s == got[0].rates.at("int8").encode_s);
   }
   CHECK(got[0].link.bandwidth_Bps > 0);
   CHECK(got[0].link.latency_s >= 0);
+  CHECK(got[0].link.overhead_s >= 0);
   CHECK(got[0].rates.at("fp32").decode_add_s > 0);
 }

@@ -6,7 +6,8 @@
 // fp32 all-reduces over the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of
 // two, over recursive doubling (pairwise exchanges) at the same sizes, each the median of a few
 // runs, averages all of it over the group (an all_reduce: the same bits on every rank), and fits
-// alpha and beta to the closed forms (sim::fit_alpha_beta; eta held at 1). Every rank then holds the same
+// alpha and beta to the closed forms (sim::fit_alpha_beta; eta held at 1), then the overhead o per
+// message (link_params::overhead_s) from the ring at 4 MiB in quarter segments against whole ones. Every rank then holds the same
 // parameters and so makes the same choices. About a quarter of a second on an idle machine; on a
 // loaded one the fit describes the load too, which is what the choices then face.
 #pragma once
@@ -37,6 +38,12 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
   // bandwidth weigh alike, not far beyond, where every bandwidth-optimal candidate costs the same.
   std::vector<std::pair<int, std::size_t>> cases = {{0, 4u << 10}, {0, 64u << 10}, {0, 1u << 20}};
   if (pow2 && size > 1) cases.insert(cases.end(), {{1, 4u << 10}, {1, 64u << 10}, {1, 1u << 20}});
+  // The overhead o per message: the ring at 4 MiB in the group's segments and in quarter ones
+  // (2: not part of the alpha-beta fit).
+  constexpr std::size_t o_bytes = 4u << 20;
+  const std::size_t o_segment = std::max<std::size_t>(4096, g.segment_bytes() / 4);
+  const std::size_t o_first = cases.size();
+  cases.insert(cases.end(), {{2, o_bytes}, {3, o_bytes}});
   constexpr int codecs = 4;
   // (codec, routine) then (case): this rank's measurements, averaged over the group below
   std::vector<float> m(codecs * 3 + cases.size(), 0.0f);
@@ -63,8 +70,10 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
       for (int r = 0; r <= reps; ++r) {  // r = 0 warms up
         std::fill(x.begin(), x.end(), 1.0f);
         const auto t0 = std::chrono::steady_clock::now();
-        if (cases[i].first == 0) all_reduce(g, std::span<float>(x), topology::ring{}, c);
-        else all_reduce(g, std::span<float>(x), topology::recursive_doubling{}, c);
+        no_epilogue ep;
+        if (cases[i].first == 0 || cases[i].first == 2) all_reduce(g, std::span<float>(x), topology::ring{}, c);
+        else if (cases[i].first == 1) all_reduce(g, std::span<float>(x), topology::recursive_doubling{}, c);
+        else detail::run_call(detail::op_kind::all_reduce, g, std::span<float>(x), topology::ring{}, c, reduce_op::sum, -1, ep, detail::chunk_layout{}, o_segment);
         const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (r > 0) ts.push_back(t);
       }
@@ -81,7 +90,7 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
   if (size < 2) return a;
   const sim::codec_model model = sim::model_of(c, a.rates["fp32"]);
   std::vector<sim::sample> samples;
-  for (std::size_t i = 0; i < cases.size(); ++i) {
+  for (std::size_t i = 0; i < o_first; ++i) {
     const std::size_t n = elems(cases[i].second);
     const sim::cost_terms t = cases[i].first == 0 ? sim::ring_terms(size, n, model, g.segment_bytes(), true, true)
                                                   : sim::recursive_doubling_terms(size, n, model, g.segment_bytes(), true, true);
@@ -92,12 +101,43 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
     x.beta_count += x.exchange_count, x.exchange_count = 0;
     samples.push_back(x);
   }
-  const sim::fit_result f = sim::fit_alpha_beta(samples);
+  // On a loaded machine the times may not fit any positive beta (fit_alpha_beta refuses them):
+  // then the given link stays, which every rank keeps alike.
+  sim::fit_result f;
+  f.link = a.link;
+  try {
+    f = sim::fit_alpha_beta(samples);
+  } catch (const error&) {
+    return a;
+  }
   // A fit the simulator cannot use (no bandwidth: times that fell with size on a noisy machine)
   // keeps the given link's value.
   if (f.link.latency_s >= 0) a.link.latency_s = f.link.latency_s;
   if (f.link.bandwidth_Bps > 0 && std::isfinite(f.link.bandwidth_Bps)) a.link.bandwidth_Bps = f.link.bandwidth_Bps;
   if (f.link.exchange_efficiency > 0 && f.link.exchange_efficiency <= 1) a.link.exchange_efficiency = f.link.exchange_efficiency;
+  // o from what quartering the segments cost, through the simulator (the model automatic asks):
+  // the predicted difference is linear in o; the o that predicts the measured one, then alpha
+  // less the 2o per step its fit took in (one segment per step, posted and read).
+  const double measured = (m[codecs * 3 + o_first + 1] - m[codecs * 3 + o_first]) * 1e-6;
+  auto predicted = [&](double o) {
+    sim::cluster cl;
+    cl.nic = a.link;
+    cl.nic.overhead_s = o;
+    cl.segments_ahead = sim::cluster::as_executor;
+    auto run = [&](std::size_t seg) {
+      cl.segment_bytes = seg;
+      return sim::simulator(cl, model).all_reduce(topology::ring{}, size, elems(o_bytes)).time_s;
+    };
+    return run(o_segment) - run(g.segment_bytes());
+  };
+  const double d0 = predicted(0), slope = (predicted(1e-6) - d0) / 1e-6;
+  // No more than a whole step of the 4 KiB ring took (a flat slope on a noisy fit would make o
+  // anything at all).
+  const double o_max = m[codecs * 3] * 1e-6 / (2.0 * (size - 1));
+  if (slope > 0 && measured > d0) {
+    a.link.overhead_s = std::min((measured - d0) / slope, o_max);
+    a.link.latency_s = std::max(0.0, a.link.latency_s - 2 * a.link.overhead_s);
+  }
   return a;
 }
 

@@ -238,14 +238,14 @@ void all_gather(group<Tr>& g, std::span<const float> in, std::span<float> out, c
 // errc::mismatch naming the peer, as any header disagreement does. The same schedules and codecs
 // as the equal-count calls; only the chunk boundaries differ.
 
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 void all_gather_v_inplace(group<Tr>& g, std::span<float> buf, std::span<const std::size_t> counts, const T& topo,
                           C& codec, Epilogue&& ep = {}) {
   auto l = detail::layout_of(g, "all_gather_v", counts, buf.size());
   detail::run_now(detail::op_kind::all_gather, g, buf, topo, codec, reduce_op::sum, -1, ep, std::move(l));
 }
 
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 request all_gather_v_inplace_async(group<Tr>& g, std::span<float> buf, std::span<const std::size_t> counts,
                                    const T& topo, C& codec, Epilogue ep = {}) {
   auto l = detail::layout_of(g, "all_gather_v", counts, buf.size());
@@ -253,7 +253,7 @@ request all_gather_v_inplace_async(group<Tr>& g, std::span<float> buf, std::span
 }
 
 // in: counts[rank] elements, out: sum(counts), rank k's input at its offset.
-template <transport::transport Tr, topology::topology T, codec::codec C>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C>
 void all_gather_v(group<Tr>& g, std::span<const float> in, std::span<float> out, std::span<const std::size_t> counts,
                   const T& topo, C& codec) {
   auto l = detail::layout_of(g, "all_gather_v", counts, out.size());
@@ -264,14 +264,14 @@ void all_gather_v(group<Tr>& g, std::span<const float> in, std::span<float> out,
 
 // buf: sum(counts) elements; afterwards this rank's part holds the reduction (the other parts
 // hold partial sums and are not meant to be read).
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 void reduce_scatter_v_inplace(group<Tr>& g, std::span<float> buf, std::span<const std::size_t> counts, const T& topo,
                               C& codec, reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
   auto l = detail::layout_of(g, "reduce_scatter_v", counts, buf.size());
   detail::run_now(detail::op_kind::reduce_scatter, g, buf, topo, codec, op, -1, ep, std::move(l));
 }
 
-template <transport::transport Tr, topology::topology T, codec::codec C, class Epilogue = no_epilogue>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 request reduce_scatter_v_inplace_async(group<Tr>& g, std::span<float> buf, std::span<const std::size_t> counts,
                                        const T& topo, C& codec, reduce_op op = reduce_op::sum, Epilogue ep = {}) {
   auto l = detail::layout_of(g, "reduce_scatter_v", counts, buf.size());
@@ -279,7 +279,7 @@ request reduce_scatter_v_inplace_async(group<Tr>& g, std::span<float> buf, std::
 }
 
 // in: sum(counts) elements, out: counts[rank] (this rank's part of the reduction). in is not modified.
-template <transport::transport Tr, topology::topology T, codec::codec C>
+template <transport::transport Tr, topology::topology_policy T, codec::codec C>
 void reduce_scatter_v(group<Tr>& g, std::span<const float> in, std::span<float> out,
                       std::span<const std::size_t> counts, const T& topo, C& codec, reduce_op op = reduce_op::sum) {
   auto l = detail::layout_of(g, "reduce_scatter_v", counts, in.size());

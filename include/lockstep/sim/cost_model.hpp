@@ -61,6 +61,10 @@ struct link_params {
   double exchange_efficiency = 1.0; // eta, see above
   double burst_bytes = 0;           // token bucket depth, see above
   double burst_rate_Bps = 0;        // how fast credited bytes leave; 0: at once
+  // o (LogP's overhead): seconds of a rank's core per message it posts and per message it reads,
+  // the software cost of a message that does not overlap (alpha does). What makes many small
+  // segments cost more than few large ones. Only the simulator models it; 0 by default.
+  double overhead_s = 0;
   constexpr double beta() const noexcept { return 1.0 / bandwidth_Bps; }
   // Seconds per byte of a pairwise exchange: beta / eta.
   constexpr double exchange_beta() const noexcept { return 1.0 / (bandwidth_Bps * exchange_efficiency); }

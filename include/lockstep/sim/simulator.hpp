@@ -8,6 +8,7 @@
 //     segment_bytes) and interleaved — encode send segment j (reduce-scatter only: the all-gather
 //     forwards wire bytes), post it, wait for receive segment j, decode-add (reduce) or decode
 //     (copy; free for fp32, which lands in place); the step ends when its sends have left too.
+//     Every message posted and read costs the core link_params::overhead_s (LogP's o).
 //     An exchange (recursive doubling) also decodes what it sends back into place (fp32: copies
 //     it aside, costed as a decode-add).
 //     Between the phases the owner encodes and decodes its final chunk once. Codec work costs
@@ -446,6 +447,7 @@ class simulator {
           const std::uint64_t len = R.send.next();
           if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
           if (R.exchange) R.t += static_cast<double>(len) * exchange_copy_s();
+          R.t += cl_.nic.overhead_s;
           const double end = detail::transmit(std::array{&egress, &ingress}, R.t, static_cast<double>(codec_.message_bytes(len)),
                                               cl_.nic.bandwidth_for(ru.send_peer == ru.recv_peer), cl_.nic);
           send_end = end;
@@ -455,7 +457,7 @@ class simulator {
         }
         if (!R.recv.done() && (lead(R) > ahead_ || R.send.done())) {
           if (R.received >= arrive.size()) return std::nullopt;  // receives ahead of sends: no mirror
-          consume(R, arrive[R.received]);
+          consume(R, arrive[R.received], cl_.nic.overhead_s);
         }
       }
       R.t = std::max(R.t, send_end);
@@ -476,6 +478,7 @@ class simulator {
   void post(rank_state& R, std::uint32_t src, std::uint64_t len) {
     if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
     if (R.exchange) R.t += static_cast<double>(len) * exchange_copy_s();
+    R.t += (same_host(static_cast<int>(src), R.send_peer) ? cl_.local : cl_.nic).overhead_s;
     ++R.sent;
     heap_.push_back({R.t, seq_++, src, static_cast<std::uint32_t>(R.send_peer), counter(R.sent_to, R.send_peer)++,
                      codec_.message_bytes(len), R.send_peer == R.recv_peer});
@@ -484,9 +487,9 @@ class simulator {
     ++messages_;
   }
 
-  void consume(rank_state& R, double when) {
+  void consume(rank_state& R, double when, double overhead) {
     const std::uint64_t len = R.recv.next();
-    R.t = std::max(R.t, when);
+    R.t = std::max(R.t, when) + overhead;
     if (R.reduce) R.t += static_cast<double>(len) * codec_.rates.decode_add_s;
     else if (!codec_.identity) R.t += static_cast<double>(len) * codec_.rates.decode_s;
     ++R.received;
@@ -541,7 +544,7 @@ class simulator {
           const double when = it->time;
           *it = R.early.back();
           R.early.pop_back();
-          consume(R, when);
+          consume(R, when, (same_host(r, R.recv_peer) ? cl_.local : cl_.nic).overhead_s);
           ++counter(R.got_from, R.recv_peer);
         }
       }
@@ -581,7 +584,7 @@ class simulator {
     if (--S.sends_pending == 0 && S.waiting == wait::sends) advance(src);
     rank_state& D = ranks_[m.dst];
     if (D.waiting == wait::recv && D.recv_peer == src && counter(D.got_from, src) == m.ordinal) {
-      consume(D, arrive);
+      consume(D, arrive, (same_host(src, dst) ? cl_.local : cl_.nic).overhead_s);
       ++counter(D.got_from, src);
       advance(dst);
     } else {

@@ -8,7 +8,7 @@
 // would take over each candidate — ring, torus2d (most square), halving_doubling,
 // recursive_doubling — and each candidate segment size, on the link it was given (alpha, beta,
 // eta) and the codec's measured gamma, and runs the fastest; ties go to the earlier candidate in
-// that order. NCCL's tuner makes the same choice from tables; this one comes from the model the
+// that order, and a segment size other than the group's wins only by segment_margin (10%). NCCL's tuner makes the same choice from tables; this one comes from the model the
 // simulator uses, so `lockstep-sim --explain` (or explain() here) prints the very numbers a call
 // compared.
 //
@@ -78,6 +78,8 @@ struct automatic {
   std::map<std::string, sim::codec_rates> rates{};
   // Segment sizes tried besides the group's own (host groups only: a stream sends a chunk whole).
   std::vector<std::size_t> segment_choices{std::size_t{256} << 10, std::size_t{4} << 20};
+  // ... taken only where predicted faster than the best at the group's segment by this fraction.
+  double segment_margin = 0.10;
 
   std::string name() const { return "automatic"; }
   void validate(int size, int rank = -1) const {
@@ -138,9 +140,16 @@ struct automatic {
       if (auto it = cache_->table.find(k); it != cache_->table.end()) return it->second;
     }
     const std::vector<choice> all = explain(op, size, count, codec, group_segment, stream_ordered);
-    choice best = all.front();
-    for (const choice& c : all)
-      if (c.predicted_s < best.predicted_s) best = c;
+    choice best = all.front(), best_other = all.front();
+    bool other = false;
+    for (const choice& c : all) {
+      if (c.segment_bytes == 0 && c.predicted_s < best.predicted_s) best = c;
+      if (c.segment_bytes != 0 && (!other || c.predicted_s < best_other.predicted_s)) best_other = c, other = true;
+    }
+    // Another segment size only for a clear win: what segments overlap is the model's finest
+    // effect and what a message costs its least certain part (256 KiB segments it predicted 6%
+    // faster at 4 MiB ran 10..20% slower, docs/benchmarks.md).
+    if (other && best_other.predicted_s < best.predicted_s * (1 - segment_margin)) best = best_other;
     std::lock_guard lk(cache_->m);
     if (cache_->table.size() >= max_cached) cache_->table.clear();
     cache_->table.emplace(k, best);
