@@ -6,8 +6,8 @@
 // Tolerances:
 //   fused vs full decode at the same DCT scale, then the same resize: exact (0). The decoder asks
 //     libjpeg for 2 pixels beyond its taps on each side, so libjpeg's documented cropped-edge
-//     difference of fancy upsampling never reaches a tap (without that margin it reaches up to 70
-//     of 255 levels on these images).
+//     difference of fancy upsampling never reaches a tap (without that margin it reaches 10.5 of
+//     255 levels on these images).
 //   the resize against an independent bilinear written here, over a full-resolution decode: 1e-4
 //     (float rounding of a differently ordered sum).
 //   a DCT-scaled decode (n/8 < 1) against full-resolution decode + the same bilinear: mean |diff|
