@@ -204,17 +204,12 @@ error caught(F&& f) {
   return error(errc::invalid_argument, "nothing thrown", -1, -1, "");
 }
 
-// Ranks on one node hear of a failing rank at once (shared memory): they throw errc::aborted
-// with its message instead of reaching their own diagnosis. Over MPI alone each rank finds out
-// for itself. Either way the error says what went wrong: `what` is in the message.
-bool shm_off() {
-  const char* env = std::getenv("LOCKSTEP_MPI_SHM");
-  return env && std::string(env) == "0";
-}
+// Every rank hears of a failing rank at once (its abort message, and through shared memory its
+// flag): it throws errc::aborted with that rank's message instead of reaching its own diagnosis.
+// Either way the error says what went wrong: `what` is in the message.
 bool is_or_relays(const error& e, errc code, const std::string& what) {
   const std::string text = e.what();
   if (e.code() == code) return what.empty() || text.find(what) != std::string::npos;
-  if (shm_off()) return false;  // over MPI alone nothing is relayed: each rank finds out itself
   return e.code() == errc::aborted && text.find(std::string(to_string(code))) != std::string::npos &&
          text.find(what) != std::string::npos;
 }

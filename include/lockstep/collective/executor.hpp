@@ -196,11 +196,19 @@ class schedule_run {
       check_headers();  // a rank that only sends: a mismatch is reported, not waited out
       wait_header_sends();
     } catch (const error& e) {
-      // Tell the others (inproc wakes them at once) and say where we were. Sends still pending are
-      // settled by their requests' destructors on the way out (transport/concept.hpp).
+      // Tell the others (every rank of the group, at once: transport/concept.hpp) and say where
+      // we were. Sends still pending are settled by their requests' destructors on the way out.
       t_.abort(e.what());
       if (e.op() == op_.label) throw;
       throw error(e.code(), op_.label, rank_, e.peer(), e.detail());
+    } catch (const std::exception& e) {
+      // The epilogue's own failure (an optimizer's check, the user's callback): the peers are
+      // told the same way, and the exception goes on unchanged.
+      t_.abort(op_.label + " on rank " + std::to_string(rank_) + ": the epilogue threw: " + e.what());
+      throw;
+    } catch (...) {
+      t_.abort(op_.label + " on rank " + std::to_string(rank_) + ": the epilogue threw");
+      throw;
     }
   }
 
@@ -266,7 +274,7 @@ class schedule_run {
     headers_checked_ = true;
     for (std::size_t i = 0; i < from_.size(); ++i) {
       if (!t_.wait(header_recvs_[i], g_.deadline()))
-        throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0));
+        throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0, from_[i]));
       std::string why = describe_mismatch(mine_, theirs_[i]);
       if (!why.empty() && theirs_[i].layout != mine_.layout && mine_.layout) why += "; this rank's: " + op_.layout.str();
       if (!why.empty()) throw fail(errc::mismatch, from_[i], why);
@@ -276,7 +284,7 @@ class schedule_run {
   void wait_header_sends() {
     for (std::size_t i = 0; i < header_sends_.size(); ++i)
       if (!t_.wait(header_sends_[i], g_.deadline()))
-        throw fail(errc::timeout, to_[i], timeout_text("receipt of the header by the peer", s_.steps.size()));
+        throw fail(errc::timeout, to_[i], timeout_text("receipt of the header by the peer", s_.steps.size(), to_[i]));
   }
 
   // ---- one step --------------------------------------------------------------------------------
@@ -355,7 +363,7 @@ class schedule_run {
   void recv_reduce(const topology::step& st, std::size_t si, std::size_t k) {
     const segment& sg = recvs_[k];
     if (!t_.consume(recv_reqs_[k], g_.deadline(), [&](const std::byte* data) { sp_.decode_add(codec_, data, sg.len, x_ + sg.lo); }))
-      throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+      throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si, st.recv_peer));
   }
 
   // Final values: copied into place (where a plain receive would have put them) unless they are
@@ -367,7 +375,7 @@ class schedule_run {
       if (static_cast<const void*>(data) != dst) sp_.copy(dst, data, msg_bytes(sg.len));
       if constexpr (!identity) sp_.decode(codec_, sg.wire, sg.len, x_ + sg.lo);
     });
-    if (!got) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si));
+    if (!got) throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si, st.recv_peer));
     if (sg.last) {
       const auto [lo, hi] = chunk(sg.chunk);
       ep_(lo, hi - lo);
@@ -386,7 +394,7 @@ class schedule_run {
           if (i < header_sends_.size() && !t_.wait(header_sends_[i], transport::clock::now()))
             what = "receipt of sent data by the peer: it has not entered this collective (it has not taken this rank's header)";
         }
-        throw fail(errc::timeout, st.send_peer, timeout_text(what, si));
+        throw fail(errc::timeout, st.send_peer, timeout_text(what, si, st.send_peer));
       }
   }
 
@@ -471,9 +479,16 @@ class schedule_run {
   }
 
   error fail(errc code, int peer, const std::string& what) const { return error(code, op_.label, rank_, peer, what); }
-  std::string timeout_text(const char* waiting, std::size_t si) const {
-    return std::string("no ") + waiting + " after " + std::to_string(g_.options().timeout.count()) + " ms at step " +
-           std::to_string(si) + " of " + std::to_string(s_.steps.size()) + " (call #" + std::to_string(seq_) + ")";
+  // "no data from the peer after 5000 ms at step 3 of 6 (call #41); peer 2 is process 1234 on
+  // this node, stopped (SIGSTOP or SIGTSTP)": the peer's state where the transport can see it.
+  std::string timeout_text(const char* waiting, std::size_t si, int peer) const {
+    std::string s = std::string("no ") + waiting + " after " + std::to_string(g_.options().timeout.count()) + " ms at step " +
+                    std::to_string(si) + " of " + std::to_string(s_.steps.size()) + " (call #" + std::to_string(seq_) + ")";
+    if constexpr (requires { t_.describe_peer(peer); }) {
+      const std::string d = t_.describe_peer(peer);
+      if (!d.empty()) s += "; peer " + std::to_string(peer) + " is " + d;
+    }
+    return s;
   }
 
   group<T>& g_;

@@ -266,7 +266,7 @@ inline cost_terms recursive_doubling_terms(int size, std::size_t n, const codec_
     t.messages += send_ahead ? 1.0 : static_cast<double>(chunk_segments(n, seg));
     t.exchange_bytes += static_cast<double>(chunk_wire_bytes(c, n, seg));
     if (!c.identity) t.encode_elems += elems, t.decode_elems += elems;
-    t.decode_add_elems += elems;
+    t.decode_add_elems += c.identity ? 2 * elems : elems;  // fp32 copies the span aside (simulator.hpp)
   }
   detail::add_finalize(t, c, size, n);
   if (handshake && size > 1 && !c.identity) t.messages += 1, t.oneway_bytes += header_bytes;

@@ -8,7 +8,8 @@
 //     segment_bytes) and interleaved — encode send segment j (reduce-scatter only: the all-gather
 //     forwards wire bytes), post it, wait for receive segment j, decode-add (reduce) or decode
 //     (copy; free for fp32, which lands in place); the step ends when its sends have left too.
-//     An exchange (recursive doubling) also decodes what it sends back into place.
+//     An exchange (recursive doubling) also decodes what it sends back into place (fp32: copies
+//     it aside, costed as a decode-add).
 //     Between the phases the owner encodes and decodes its final chunk once. Codec work costs
 //     gamma per element (codec_rates, measured by measure_rates).
 //   * links: every host has one NIC, an egress and an ingress link (full duplex) of the cluster's
@@ -431,7 +432,7 @@ class simulator {
         if (!R.send.done() && (lead(R) <= ahead_ || R.recv.done())) {
           const std::uint64_t len = R.send.next();
           if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
-          if (R.exchange && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.decode_s;
+          if (R.exchange) R.t += static_cast<double>(len) * exchange_copy_s();
           const double end = detail::transmit(std::array{&egress, &ingress}, R.t, static_cast<double>(codec_.message_bytes(len)),
                                               cl_.nic.bandwidth_for(ru.send_peer == ru.recv_peer), cl_.nic);
           send_end = end;
@@ -461,7 +462,7 @@ class simulator {
 
   void post(rank_state& R, std::uint32_t src, std::uint64_t len) {
     if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
-    if (R.exchange && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.decode_s;
+    if (R.exchange) R.t += static_cast<double>(len) * exchange_copy_s();
     ++R.sent;
     heap_.push_back({R.t, seq_++, src, static_cast<std::uint32_t>(R.send_peer), counter(R.sent_to, R.send_peer)++,
                      codec_.message_bytes(len), R.send_peer == R.recv_peer});
@@ -574,6 +575,11 @@ class simulator {
       D.early.push_back({m.src, m.ordinal, arrive});
     }
   }
+
+  // An exchange keeps what it sends apart from what it adds into: a lossy codec decodes its wire
+  // image back into place, fp32 copies the span (costed as a decode-add: both stream it through
+  // memory once more).
+  double exchange_copy_s() const noexcept { return codec_.identity ? codec_.rates.decode_add_s : codec_.rates.decode_s; }
 
   cluster cl_;
   codec_model codec_;

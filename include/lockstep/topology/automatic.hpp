@@ -85,13 +85,30 @@ struct automatic {
     forced(rank);
   }
 
+  // Calls f with the topology a choice names (torus2d: the most square shape).
+  template <class F>
+  static decltype(auto) visit(choice::kind_t k, F&& f) {
+    switch (k) {
+      case choice::torus2d: return f(topology::torus2d{});
+      case choice::halving_doubling: return f(topology::halving_doubling{});
+      case choice::recursive_doubling: return f(topology::recursive_doubling{});
+      case choice::ring: break;
+    }
+    return f(topology::ring{});
+  }
+
   // Every candidate for this call, in the order they are compared, each with its predicted time.
   template <codec::codec C>
   std::vector<choice> explain(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
                               bool stream_ordered = false) const {
-    validate(size);
     const auto it = rates.find(std::string(codec.name()));
-    const sim::codec_model model = sim::model_of(codec, it == rates.end() ? sim::codec_rates{} : it->second);
+    return explain(op, size, count, sim::model_of(codec, it == rates.end() ? sim::codec_rates{} : it->second),
+                   group_segment, stream_ordered);
+  }
+  // The same for a codec the simulator knows by its model (lockstep-sim --explain); its own rates.
+  std::vector<choice> explain(operation op, int size, std::size_t count, const sim::codec_model& model,
+                              std::size_t group_segment, bool stream_ordered = false) const {
+    validate(size);
     std::vector<std::size_t> segs{group_segment};
     if (!stream_ordered)
       for (std::size_t s : segment_choices)
@@ -130,17 +147,6 @@ struct automatic {
     return best;
   }
 
-  // Calls f with the topology a choice names (torus2d: the most square shape).
-  template <class F>
-  static decltype(auto) visit(choice::kind_t k, F&& f) {
-    switch (k) {
-      case choice::torus2d: return f(topology::torus2d{});
-      case choice::halving_doubling: return f(topology::halving_doubling{});
-      case choice::recursive_doubling: return f(topology::recursive_doubling{});
-      case choice::ring: break;
-    }
-    return f(topology::ring{});
-  }
 
  private:
   template <class T>
