@@ -6,8 +6,8 @@
 // Tolerances:
 //   fused vs full decode at the same DCT scale, then the same resize: exact (0). The decoder asks
 //     libjpeg for 2 pixels beyond its taps on each side, so libjpeg's documented cropped-edge
-//     difference of fancy upsampling never reaches a tap (without that margin it reaches up to 70
-//     of 255 levels on these images).
+//     difference of fancy upsampling never reaches a tap (without that margin it reaches 10.5 of
+//     255 levels on these images).
 //   the resize against an independent bilinear written here, over a full-resolution decode: 1e-4
 //     (float rounding of a differently ordered sum).
 //   a DCT-scaled decode (n/8 < 1) against full-resolution decode + the same bilinear: mean |diff|
@@ -405,6 +405,26 @@ TEST_CASE("bad JPEGs are a data_error naming the file: truncated, flipped bytes,
   CHECK(errors > 30);
   // The decoder is still usable after all those errors.
   CHECK(error_of([&] { decode(jpg); }) == "(no error)");
+  // A file without its quantization tables (its DQT segments cut out) is an error even right after
+  // a file that had them: a reused libjpeg object would keep the previous file's tables and decode
+  // it (found by fuzz_jpeg: then the result depends on what the thread decoded before). (Without
+  // DHT segments libjpeg-turbo uses the standard Huffman tables, as Motion-JPEG expects: decodable.)
+  for (std::uint8_t marker : {std::uint8_t{0xDB}}) {
+    std::vector<std::uint8_t> cut;
+    for (std::size_t i = 0; i < jpg.size();) {
+      if (i + 3 < jpg.size() && jpg[i] == 0xFF && jpg[i + 1] == marker) {
+        i += 2 + (std::size_t{jpg[i + 2]} << 8 | jpg[i + 3]);
+        continue;
+      }
+      cut.push_back(jpg[i++]);
+    }
+    REQUIRE(cut.size() < jpg.size());
+    REQUIRE(error_of([&] { decode(jpg); }) == "(no error)");
+    const std::string e = error_of([&] { decode(cut); });
+    INFO(e);
+    CHECK(starts_with(e, "x/bad.JPEG: corrupt JPEG (libjpeg: "));
+    CHECK((e.find("table") != std::string::npos));
+  }
 }
 
 namespace {

@@ -405,7 +405,12 @@ class jpeg_decoder {
 
   bool header_phase(const std::uint8_t* data, std::size_t n, jpeg_header* h, std::size_t* scan_start) {
     if (setjmp(err_.jump)) return false;
-    jpeg_abort_decompress(&cinfo_);
+    // A fresh libjpeg object per file: one reused after jpeg_abort_decompress keeps the previous
+    // file's quantization and Huffman tables, so a file that lacks them (an "abbreviated" stream, or
+    // a corrupt one) would decode with whatever file this thread read before, instead of failing.
+    // Found by fuzz_jpeg (its decoder is reused, as a worker's is). Costs a few small allocations.
+    jpeg_destroy_decompress(&cinfo_);
+    jpeg_create_decompress(&cinfo_);
     cinfo_.mem->max_memory_to_use = max_memory;
     jpeg_mem_src(&cinfo_, data, static_cast<unsigned long>(n));
     jpeg_read_header(&cinfo_, TRUE);
@@ -426,6 +431,11 @@ class jpeg_decoder {
     cinfo_.out_color_space = cmyk_ ? JCS_CMYK : JCS_RGB;
     cinfo_.dct_method = JDCT_ISLOW;  // libjpeg's (and PIL's) default: the accurate integer IDCT
     cinfo_.do_fancy_upsampling = TRUE;
+    // Interblock smoothing guesses the AC coefficients of a progressive file whose later scans are
+    // missing, from neighbouring blocks: at a cropped edge it sees other neighbours than a full
+    // decode does. Off, such a file decodes the same either way (the missing coefficients are 0);
+    // a complete file is not affected.
+    cinfo_.do_block_smoothing = FALSE;
   }
 
   // Scaled image size at info.scale_num, then the taps of both axes in scaled pixels.
