@@ -6,10 +6,15 @@
 // seconds on two cores and does not depend on the installed Fashion-MNIST.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "../samples/fashion_cnn/replica_cpu.hpp"
@@ -255,4 +260,147 @@ TEST_CASE("resuming with other flags is refused with a message saying so", "[fas
   o.resume = true;
   o.batch = 64;
   CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("written with other training flags"));
+}
+
+// The writer is held in the middle of a checkpoint, then SIGKILLed: "<file>.tmp" is made a FIFO
+// before it starts, so its write blocks once this side has read the first bytes (deterministic,
+// where killing a real write would be a race it almost never loses). What the crash leaves, a
+// partial .tmp, is then put in place as a regular file, and --resume must go on from the previous
+// checkpoint as if nothing had happened.
+TEST_CASE("a checkpoint killed while being written leaves the previous one, and --resume continues from it", "[fashion][train]") {
+  options full = small_run("kill-full");
+  full.ranks = 2;
+  full.bn_group = 1;
+  options split = full;
+  split.out = data_dir().dir + "/kill-split";
+  train_inproc(full);
+  split.stop_after = 1;
+  train_inproc(split);
+  const std::string path = split.out + "/checkpoint.bin", tmp = path + ".tmp";
+  const checkpoint before = final_state(split);
+  REQUIRE(before.epochs_done == 1);
+
+  REQUIRE(::mkfifo(tmp.c_str(), 0600) == 0);
+  checkpoint next = before;
+  next.epochs_done = 2;
+  next.params.assign(std::size_t{1} << 20, 1.0f);  // 4 MiB: far more than a FIFO's buffer
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    save_checkpoint(path, split, next);  // blocks in the middle of its writes
+    ::_exit(0);
+  }
+  std::vector<char> partial(1000);
+  const int fd = ::open(tmp.c_str(), O_RDONLY);
+  REQUIRE(fd >= 0);
+  std::size_t got = 0;
+  while (got < partial.size()) {
+    const ssize_t n = ::read(fd, partial.data() + got, partial.size() - got);
+    REQUIRE(n > 0);
+    got += static_cast<std::size_t>(n);
+  }
+  ::kill(child, SIGKILL);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  ::close(fd);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGKILL);
+  fs::remove(tmp);
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    f.write(partial.data(), static_cast<std::streamsize>(partial.size()));
+  }
+
+  const checkpoint after = final_state(split);  // the previous checkpoint, whole
+  CHECK(after.epochs_done == 1);
+  CHECK(after.params == before.params);
+  CHECK(after.momentum == before.momentum);
+  split.resume = true;
+  train_inproc(split);  // overwrites the leftover .tmp
+  const checkpoint a = final_state(full), b = final_state(split);
+  CHECK(b.epochs_done == 2);
+  CHECK(a.global_step == b.global_step);
+  CHECK(a.params == b.params);
+  CHECK(a.momentum == b.momentum);
+  CHECK_FALSE(fs::exists(tmp));
+}
+
+// What --resume refuses, each with an error that starts with the file's path and says why. Not
+// caught: a flipped bit in the epoch or step counters or in the arrays (the format has no checksum;
+// docs/reliability.md, "Checkpoints").
+TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a named error", "[fashion][train]") {
+  options o = small_run("corrupt");
+  o.epochs = 1;
+  train_inproc(o);
+  const std::string path = o.out + "/checkpoint.bin";
+  std::vector<char> good;
+  {
+    std::ifstream f(path, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  REQUIRE(good.size() > 64);
+  auto write = [&](const std::vector<char>& bytes) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  auto refused = [&](const std::string& why) {
+    try {
+      load_checkpoint(path, o);
+      return std::string("accepted");
+    } catch (const std::runtime_error& e) {
+      const std::string w = e.what();
+      if (w.rfind(path + ": ", 0) != 0) return "no path: " + w;
+      return w.find(why) == std::string::npos ? "other reason: " + w : std::string("ok");
+    }
+  };
+  SECTION("truncated anywhere") {
+    for (std::size_t keep : {std::size_t{0}, std::size_t{7}, std::size_t{40}, std::size_t{64}, good.size() / 2, good.size() - 1}) {
+      INFO("kept " << keep << " of " << good.size() << " bytes");
+      write(std::vector<char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(keep)));
+      const std::string r = refused(keep < 64 ? "not a lockstep checkpoint" : "truncated or not a checkpoint of this program");
+      CHECK(r == "ok");
+    }
+  }
+  SECTION("trailing bytes") {
+    auto longer = good;
+    longer.push_back('x');
+    write(longer);
+    CHECK(refused("truncated or not a checkpoint of this program") == "ok");
+  }
+  SECTION("every bit of the magic, channels, sizes, seed and fingerprint flipped, one at a time") {
+    // Header bytes: magic 0..7, epochs/step 8..19 (not checked), sizes 20..31, channels 32..43,
+    // residual size 44..47, seed and fingerprint 48..63.
+    for (std::size_t byte = 0; byte < 64; ++byte) {
+      if (byte >= 8 && byte < 20) continue;
+      for (int bit = 0; bit < 8; ++bit) {
+        auto bad = good;
+        bad[byte] = static_cast<char>(bad[byte] ^ (1 << bit));
+        write(bad);
+        INFO("byte " << byte << " bit " << bit);
+        const std::string r = refused("");
+        CHECK(r == "ok");
+      }
+    }
+  }
+  SECTION("a file that is not a checkpoint, and one of another program's format") {
+    write(std::vector<char>(good.size(), 'x'));
+    CHECK(refused("not a lockstep checkpoint") == "ok");
+    auto old = good;
+    std::memcpy(old.data(), "LSCKPT01", 8);
+    write(old);
+    CHECK(refused("format 01") == "ok");
+  }
+  SECTION("other flags: channels, seed, batch") {
+    write(good);
+    options other = o;
+    other.channels = {4, 8, 16};
+    CHECK_THROWS_WITH(load_checkpoint(path, other), Catch::StartsWith(path) && Catch::Contains("other --channels"));
+    other = o;
+    other.seed += 1;
+    CHECK_THROWS_WITH(load_checkpoint(path, other), Catch::StartsWith(path) && Catch::Contains("other training flags"));
+    other = o;
+    other.batch = 16;
+    CHECK_THROWS_WITH(load_checkpoint(path, other), Catch::StartsWith(path) && Catch::Contains("other training flags"));
+    CHECK_NOTHROW(load_checkpoint(path, o));
+  }
 }

@@ -25,6 +25,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../samples/common/image_folder.hpp"
@@ -123,8 +124,12 @@ TEST_CASE("the fused decode-crop equals a full decode at the same DCT scale, cro
       {"CMYK (Adobe)", 77, 66, 4, {}}};
   sample::jpeg_decoder dec;
   sample::rng g{42};
-  for (const variant& v : variants) {
-    INFO(v.what);
+  // Every IDCT size, not only the default SIMD ones; and 8/8 only, where the bilinear step
+  // downscales by up to 11x (the resize's wide-group path).
+  for (const variant& v : variants)
+   for (unsigned scales : {sample::all_scales, 0x80u}) {
+    dec.scales = scales;
+    INFO(v.what << ", scales 0x" << std::hex << scales << std::dec);
     const auto jpg = test_jpeg(v.w, v.h, v.comps, v.o);
     for (int size : {1, 7, 16, 33}) {
       for (int t = 0; t < 25; ++t) {
@@ -135,7 +140,7 @@ TEST_CASE("the fused decode-crop equals a full decode at the same DCT scale, cro
           REQUIRE(hd.height == v.h);
           return plan;
         }, size, unit, fused.data());
-        CHECK(info.scale_num == sample::choose_scale(plan.rect, size));
+        CHECK(info.scale_num == sample::choose_scale(plan.rect, size, scales));
         int fw = 0, fh = 0;
         const auto full = dec.decode_full(jpg.data(), jpg.size(), "t.jpg", info.scale_num, &fw, &fh);
         REQUIRE(fw == info.scaled_width);
@@ -199,6 +204,12 @@ TEST_CASE("DCT scaling: the smallest n/8 that covers the output, close to a full
   CHECK(sample::choose_scale({0, 0, 400, 260}, 224) == 7);   // the shorter side decides
   CHECK(sample::choose_scale({0, 0, 224, 224}, 224) == 8);
   CHECK(sample::choose_scale({0, 0, 50, 40}, 224) == 8);     // upscaling: never the IDCT
+  // The decoder's default: only 1/8, 2/8, 4/8 and 8/8 (libjpeg-turbo's SIMD IDCTs).
+  CHECK(sample::choose_scale({0, 0, 300, 300}, 224, sample::simd_scales) == 8);
+  CHECK(sample::choose_scale({0, 0, 448, 500}, 224, sample::simd_scales) == 4);
+  CHECK(sample::choose_scale({0, 0, 1000, 900}, 224, sample::simd_scales) == 2);
+  CHECK(sample::choose_scale({0, 0, 1792, 1800}, 224, sample::simd_scales) == 1);
+  CHECK(sample::jpeg_decoder{}.scales == sample::simd_scales);
 
   // A smooth image (no texture above the output's Nyquist rate): the scaled decode is close to
   // the full one resampled by the same bilinear taps.
@@ -211,6 +222,7 @@ TEST_CASE("DCT scaling: the smallest n/8 that covers the output, close to a full
             static_cast<std::uint8_t>(128 + 100 * std::sin(0.013 * x * (c + 1)) * std::cos(0.017 * y + c));
   const auto jpg = sample::encode_jpeg(px.data(), W, H, 3);
   sample::jpeg_decoder dec;
+  dec.scales = sample::all_scales;
   int fw, fh;
   const auto full = dec.decode_full(jpg.data(), jpg.size(), "s.jpg", 8, &fw, &fh);
   sample::rng g{5};
@@ -232,6 +244,23 @@ TEST_CASE("DCT scaling: the smallest n/8 that covers the output, close to a full
     CHECK(max_abs_diff(scaled, ref) < 40);
   }
   CHECK(scales.size() >= 4);  // the crops exercised several scales
+}
+
+TEST_CASE("channels_last writes the same values interleaved", "[jpeg]") {
+  const int S = 19;
+  const auto jpg = test_jpeg(90, 70);
+  const auto norm = sample::normaliser::of({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  sample::jpeg_decoder nchw, nhwc;
+  nhwc.channels_last = true;
+  sample::rng g{8};
+  for (int t = 0; t < 10; ++t) {
+    const crop_plan plan = random_plan(90, 70, g);
+    std::vector<float> a(3 * S * S), b(a.size());
+    nchw.decode(jpg.data(), jpg.size(), "l.jpg", [&](const sample::jpeg_header&) { return plan; }, S, norm, a.data());
+    nhwc.decode(jpg.data(), jpg.size(), "l.jpg", [&](const sample::jpeg_header&) { return plan; }, S, norm, b.data());
+    for (int c = 0; c < 3; ++c)
+      for (int p = 0; p < S * S; ++p) REQUIRE(b[static_cast<std::size_t>(p) * 3 + c] == a[static_cast<std::size_t>(c) * S * S + p]);
+  }
 }
 
 TEST_CASE("grayscale comes out as three equal channels; CMYK is converted to RGB", "[jpeg]") {
@@ -537,6 +566,46 @@ TEST_CASE("a run is deterministic: threads, prefetch and the cache change nothin
     CHECK(run_epoch(p, q, 1).labels == b.labels);
     if (cache) CHECK(p.cached_bytes() > 0);
   }
+  // next_view: the same batches without the copy, unchanged while held even with the workers free
+  // to run ahead (prefetch 1: the held slot is the only one).
+  for (int prefetch : {1, 3}) {
+    sample::image_pipeline_options q = o;
+    q.threads = 3;
+    q.prefetch = prefetch;
+    sample::image_pipeline pv(q);
+    pv.start_epoch(0);
+    sample::image_pipeline::batch_view v;
+    std::size_t s = 0;
+    while (pv.next_view(v)) {
+      REQUIRE(s < a.images.size());
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      CHECK(std::equal(a.images[s].begin(), a.images[s].end(), v.images));
+      CHECK(std::equal(a.labels[s].begin(), a.labels[s].end(), v.labels));
+      ++s;
+    }
+    CHECK(s == a.images.size());
+    // Mixed with next(), and across an epoch restart.
+    pv.start_epoch(1);
+    REQUIRE(pv.next_view(v));
+    CHECK(std::equal(b.images[0].begin(), b.images[0].end(), v.images));
+    std::vector<float> img(b.images[0].size());
+    std::vector<std::int32_t> lbl(4);
+    REQUIRE(pv.next(img.data(), lbl.data()));
+    CHECK(img == b.images[1]);
+  }
+  // channels_last: the same epoch, interleaved.
+  sample::image_pipeline_options last = o;
+  last.channels_last = true;
+  last.threads = 2;
+  sample::image_pipeline p3(last);
+  const epoch_output l = run_epoch(p3, last, 0);
+  REQUIRE(l.images.size() == a.images.size());
+  CHECK(l.labels == a.labels);
+  for (std::size_t s = 0; s < a.images.size(); ++s)
+    for (std::size_t k = 0; k < 4; ++k)
+      for (std::size_t c = 0; c < 3; ++c)
+        for (std::size_t p = 0; p < 256; ++p)
+          REQUIRE(l.images[s][(k * 256 + p) * 3 + c] == a.images[s][(k * 3 + c) * 256 + p]);
   // Another seed: another permutation and other crops.
   sample::image_pipeline_options other = o;
   other.seed = 10;
@@ -661,6 +730,13 @@ TEST_CASE("synthetic mode: no files, the requested shapes, seeded labels", "[pip
       labels.insert(v);
     }
   CHECK(labels.size() > 3);
+  // next_view: the same labels and pool, no copy.
+  p.start_epoch(0);
+  sample::image_pipeline::batch_view v;
+  for (std::size_t s = 0; p.next_view(v); ++s) {
+    CHECK(std::equal(a.labels[s].begin(), a.labels[s].end(), v.labels));
+    CHECK(std::equal(a.images[s].begin(), a.images[s].end(), v.images));
+  }
   // Pixels are normalised bytes: within [(0 - mean) / sd, (1 - mean) / sd].
   for (float v : a.images[0]) REQUIRE((v >= -0.485f / 0.225f - 1e-3f && v <= (1 - 0.406f) / 0.225f + 1e-3f));
 }

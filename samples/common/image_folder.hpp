@@ -34,9 +34,11 @@
 //
 // Synthetic: no files; `synthetic_images` images of `synthetic_classes` classes; the images come
 // from a fixed pool of `batch` random images (uniform bytes, normalised) made once, labels are
-// uniform and keyed like the augmentation; next() copies, so it measures the step, not a decoder.
+// uniform and keyed like the augmentation; next() only copies (next_view() not even that), so a
+// synthetic run measures the step, not a decoder.
 //
-// Shapes: images (batch, 3, size, size) fp32, NCHW, normalised; labels (batch) int32.
+// Shapes: images (batch, 3, size, size) fp32, NCHW, normalised (or (batch, size, size, 3) with
+// channels_last); labels (batch) int32.
 #pragma once
 
 #include <algorithm>
@@ -84,7 +86,9 @@ struct image_pipeline_options {
   // Added members (not in the interface):
   double scale_min = 0.08, scale_max = 1.0;             // RandomResizedCrop's area range
   double ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;  // and its aspect-ratio range
-  double timeout_s = 600;          // next() gives up (std::runtime_error) after waiting this long for a batch
+  bool channels_last = false;      // images as (batch, size, size, 3), NHWC, instead of NCHW
+  unsigned scales = simd_scales;   // DCT scales the decoder may choose (jpeg.hpp: 1/8, 2/8, 4/8, 8/8; all_scales for all n/8)
+  double timeout_s = 600;          // next() and start_epoch() give up (std::runtime_error) after waiting this long
 };
 
 // torchvision.transforms.RandomResizedCrop.get_params with our generator: integer crop (i, j, h, w).
@@ -181,17 +185,24 @@ inline image_listing list_image_folder(const std::string& split_dir, std::vector
   return l;
 }
 
-// Reads a whole file into `out` or throws data_error naming it.
+// Reads a whole file into `out` (its capacity reused) or throws data_error naming it.
 inline void read_file(const std::string& path, std::vector<std::uint8_t>& out) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) throw data_error(path + ": cannot open (" + std::strerror(errno) + ")");
-  out.clear();
-  std::uint8_t buf[1 << 16];
-  std::size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) out.insert(out.end(), buf, buf + got);
-  const bool bad = std::ferror(f) != 0;
-  std::fclose(f);
-  if (bad) throw data_error(path + ": read error");
+  struct closer {
+    std::FILE* f;
+    ~closer() { std::fclose(f); }
+  } close_on_exit{f};
+  // The size from the end offset, then one read; a file that grows meanwhile is read in pieces.
+  long size = -1;
+  if (std::fseek(f, 0, SEEK_END) == 0) size = std::ftell(f);
+  if (size < 0 || std::fseek(f, 0, SEEK_SET) != 0) throw data_error(path + ": cannot seek (" + std::strerror(errno) + ")");
+  out.resize(static_cast<std::size_t>(size));
+  std::size_t got = size > 0 ? std::fread(out.data(), 1, out.size(), f) : 0;
+  out.resize(got);
+  std::uint8_t buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.insert(out.end(), buf, buf + n);
+  if (std::ferror(f)) throw data_error(path + ": read error (" + std::strerror(errno) + ")");
 }
 
 // Compressed files kept in memory, shared by every pipeline of the process over one split folder.
@@ -307,8 +318,11 @@ class image_pipeline {
   // `prefetch` batches. May be called at any time; batches of the previous epoch not taken are dropped.
   void start_epoch(int epoch) {
     std::unique_lock lk(mu_);
+    holding_ = false;
     active_ = false;  // workers take no new image while the state below changes
-    done_cv_.wait(lk, [&] { return in_flight_ == 0; });
+    if (!done_cv_.wait_for(lk, std::chrono::duration<double>(o_.timeout_s), [&] { return in_flight_ == 0; }))
+      throw std::runtime_error("image_pipeline::start_epoch: " + std::to_string(in_flight_) + " images still being read after " +
+                               std::to_string(o_.timeout_s) + " s (a file read stuck?)");
     epoch_ = epoch;
     taken_ = fill_step_ = 0;
     fill_k_ = 0;
@@ -331,18 +345,34 @@ class image_pipeline {
     work_cv_.notify_all();
   }
 
-  // Fills images (batch, 3, size, size) and labels (batch) with this replica's next batch of the
-  // epoch. Returns false when the epoch is over. Rethrows a data_error of a file in this batch.
+  // Fills images (batch, 3, size, size) (NHWC with channels_last) and labels (batch) with this
+  // replica's next batch of the epoch. Returns false when the epoch is over. Rethrows a data_error
+  // of a file in this batch.
   bool next(float* images, std::int32_t* labels) {
+    batch_view v;
+    if (!next_view(v)) return false;
+    const std::size_t n = static_cast<std::size_t>(o_.batch) * 3 * o_.size * o_.size;
+    std::memcpy(images, v.images, n * sizeof(float));
+    std::memcpy(labels, v.labels, static_cast<std::size_t>(o_.batch) * sizeof(std::int32_t));
+    release();  // the copy is made: the workers may refill the slot now
+    return true;
+  }
+
+  // The next batch without the copy: `v` points into the pipeline's buffers and stays valid until
+  // the next call of next(), next_view() or start_epoch() (its slot is not refilled before).
+  struct batch_view {
+    const float* images = nullptr;         // (batch, 3, size, size), or (batch, size, size, 3) with channels_last
+    const std::int32_t* labels = nullptr;  // (batch)
+  };
+  bool next_view(batch_view& v) {
+    release();
     std::unique_lock lk(mu_);
     if (!active_) throw std::logic_error("image_pipeline::next: call start_epoch first");
     if (taken_ >= static_cast<long long>(steps_per_epoch())) return false;
     if (o_.synthetic) {
-      const long long step = taken_;
-      lk.unlock();
-      fill_synthetic(step, images, labels);
-      lk.lock();
-      ++taken_;
+      fill_synthetic_labels(taken_);
+      v = {pool_.data(), synthetic_labels_.data()};
+      holding_ = true;
       return true;
     }
     slot& s = slots_[static_cast<std::size_t>(taken_ % o_.prefetch)];
@@ -351,13 +381,8 @@ class image_pipeline {
       throw std::runtime_error("image_pipeline: no batch after " + std::to_string(o_.timeout_s) + " s (step " +
                                std::to_string(taken_) + " of epoch " + std::to_string(epoch_) + "; a file read stuck?)");
     if (s.error) std::rethrow_exception(s.error);
-    lk.unlock();
-    std::memcpy(images, s.images.data(), s.images.size() * sizeof(float));
-    std::memcpy(labels, s.labels.data(), s.labels.size() * sizeof(std::int32_t));
-    lk.lock();
-    ++taken_;
-    lk.unlock();
-    work_cv_.notify_all();
+    v = {s.images.data(), s.labels.data()};
+    holding_ = true;
     return true;
   }
 
@@ -379,6 +404,8 @@ class image_pipeline {
   // steps of the one next() waits for, and prepares it into its slot.
   void work() {
     jpeg_decoder dec;
+    dec.scales = o_.scales;
+    dec.channels_last = o_.channels_last;
     std::vector<std::uint8_t> buf;
     const std::size_t per_image = 3 * static_cast<std::size_t>(o_.size) * o_.size;
     std::unique_lock lk(mu_);
@@ -479,18 +506,29 @@ class image_pipeline {
     rng g{key_of(o_.seed, 0x53594E54ull)};
     const std::size_t plane = per_image / 3;
     for (std::size_t j = 0; j < pool_.size(); ++j) {
-      const std::size_t c = (j / plane) % 3;
+      const std::size_t c = o_.channels_last ? j % 3 : (j / plane) % 3;
       pool_[j] = static_cast<float>(g.next() & 255) * norm_.mul[c] + norm_.add[c];
     }
   }
 
-  void fill_synthetic(long long step, float* images, std::int32_t* labels) {
-    std::memcpy(images, pool_.data(), pool_.size() * sizeof(float));
+  void fill_synthetic_labels(long long step) {
+    synthetic_labels_.resize(static_cast<std::size_t>(o_.batch));
     for (int k = 0; k < o_.batch; ++k) {
       const std::size_t p = static_cast<std::size_t>((step * o_.replicas + o_.rank) * o_.batch + k);
       rng g{key_of(o_.seed, static_cast<std::uint64_t>(epoch_) + 1, p)};
-      labels[k] = g.below(o_.synthetic_classes);
+      synthetic_labels_[static_cast<std::size_t>(k)] = g.below(o_.synthetic_classes);
     }
+  }
+
+  // The batch handed out last is done with: its slot may be refilled.
+  void release() {
+    {
+      std::lock_guard lk(mu_);
+      if (!holding_) return;
+      holding_ = false;
+      ++taken_;
+    }
+    work_cv_.notify_all();
   }
 
   const image_pipeline_options o_;
@@ -500,6 +538,7 @@ class image_pipeline {
   std::unique_ptr<std::atomic<bool>[]> bad_;
   std::atomic<std::size_t> skipped_{0};
   std::vector<float> pool_;  // synthetic images (batch, 3, size, size)
+  std::vector<std::int32_t> synthetic_labels_;  // (batch)
 
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
@@ -507,7 +546,8 @@ class image_pipeline {
   std::vector<slot> slots_;
   int epoch_ = 0;
   bool active_ = false, stop_ = false;
-  long long taken_ = 0;      // steps next() has handed out in this epoch
+  long long taken_ = 0;      // steps next() has handed out and released in this epoch
+  bool holding_ = false;     // step taken_ is handed out (a view) and not yet released
   long long fill_step_ = 0;  // the step whose images workers take now
   int fill_k_ = 0;           // and its next image
   int in_flight_ = 0;        // images being prepared

@@ -3,13 +3,15 @@
 // Purpose: turn one compressed JPEG into one network input (3, size, size) of normalised floats,
 // doing only the work that input needs (Ying et al. 2018, sec. 3: "decode and crop in one pass").
 // The crop is drawn from the header's size alone; libjpeg then decodes the crop at the smallest
-// DCT scale n/8 (n = 1..8) whose scaled crop still covers size x size, skips the rows above the
+// DCT scale n/8 whose scaled crop still covers size x size (n among `scales`: by default 1, 2, 4
+// and 8, the scales libjpeg-turbo has SIMD for; any of 1..8 on request), skips the rows above the
 // crop (jpeg_skip_scanlines), decodes only the iMCU columns it covers (jpeg_crop_scanline), stops
 // after its last row, and each decoded row is resampled horizontally as soon as it arrives.
 //
 // Resampling: bilinear between pixel centres, not antialiased. The DCT scale leaves at most a
-// factor (n+1)/n < 2 to the bilinear step (except at n = 1 for crops over 16x the output), so
-// the missing antialias costs little; PIL's (torchvision's) bilinear resize does antialias.
+// factor 2 to the bilinear step (8/7 with every scale allowed; more only at n = 1, for crops over
+// 16x the output), so the missing antialias costs little; PIL's (torchvision's) bilinear resize
+// does antialias.
 // Flipping reverses the horizontal taps; normalisation is (v / 255 - mean) / stddev per channel.
 //
 // Exactness: resample() runs the same taps over a fully decoded image, so a test can check the
@@ -40,7 +42,8 @@
 // Not thread-safe: one jpeg_decoder per thread; it keeps its libjpeg object and buffers between
 // images so a steady-state decode allocates nothing.
 //
-// Shapes: out (3, size, size) channel-major (one image of NCHW); the scanline buffer (cols, 3).
+// Shapes: out (3, size, size) channel-major (one image of NCHW), or (size, size, 3) with
+// channels_last; the scanline buffer (cols, 3).
 #pragma once
 
 #include <cstdio>  // jpeglib.h needs FILE and size_t declared first
@@ -53,8 +56,13 @@
 #include <csetjmp>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "data_error.hpp"
 
@@ -103,11 +111,19 @@ struct decode_info {
   int row0 = 0, rows = 0;                // scaled rows read (rows above row0 were skipped)
 };
 
-// The smallest n in 1..8 with crop * n / 8 >= size on both sides (8 when the crop is smaller than
-// the output: upscaling is left to the bilinear step, never to the IDCT).
-inline int choose_scale(const crop_rect& r, int size) {
+// DCT scales n/8 as a bit set: bit n-1 allows n/8.
+inline constexpr unsigned all_scales = 0xFFu;
+// 1/8, 2/8, 4/8 and 8/8: the scales whose IDCTs libjpeg-turbo 2.1 has in SIMD (jsimd_idct_islow,
+// _4x4, _2x2, 1x1 in C but trivial); 3/8, 5/8, 6/8 and 7/8 (and the 14x14, 12x12, 10x10 chroma
+// IDCTs they bring) are plain C. Measured on lockstep-bench-input-pipeline (400x350 quality 90,
+// output 224, one core): all eight scales 1.58 s of CPU for 4,160 images, these four 1.29 s.
+inline constexpr unsigned simd_scales = 0x8Bu;
+
+// The smallest allowed n in 1..8 with crop * n / 8 >= size on both sides (8 when none covers it:
+// upscaling is left to the bilinear step, never to the IDCT).
+inline int choose_scale(const crop_rect& r, int size, unsigned allowed = all_scales) {
   for (int n = 1; n < 8; ++n)
-    if (r.w * n >= 8.0 * size && r.h * n >= 8.0 * size) return n;
+    if ((allowed >> (n - 1) & 1u) && r.w * n >= 8.0 * size && r.h * n >= 8.0 * size) return n;
   return 8;
 }
 
@@ -125,6 +141,106 @@ inline void axis_taps(double start, double extent, int out, int limit, bool reve
     i0[o] = a;
     i1[o] = std::min(a + 1, limit - 1);
     f[o] = static_cast<float>(s - a);
+  }
+}
+
+// hrow (3, S) <- for each channel c and output ox: a + fx (b - a), a = p[off0[ox] + c] and
+// b = p[off1[ox] + c], p an RGB row with `pad` readable bytes after its last pixel. The taps of
+// axis_taps have off1 = off0 + 3 (the next pixel) or fx = 0 (clamped at the right edge, where b
+// does not matter: a + 0 (b - a) = a), so the SIMD paths read b at off0 + 3 + c:
+//   AVX-512 VBMI: per group of 16 outputs whose taps lie within 128 bytes (a downscale up to
+//     about 2.5), two 64-byte loads at the group's first tap byte (`base`), then one byte permute
+//     (vpermt2b) per channel with the group's precomputed indices (`idx`: a in bytes 0..15, b in
+//     16..31) picks both taps of all 16 outputs; wider groups (base < 0) gather.
+//   AVX-512F / AVX2: a 4-byte gather at off0 + c per output: a is its lowest byte, b its highest.
+// All paths do the same float operations in the same order and agree bit for bit (the project
+// builds with -ffp-contract=off: no fused multiply-add).
+inline constexpr std::size_t row_pad = 132;  // bytes readable after a row: the VBMI path's 128-byte window
+
+#if defined(__AVX512F__) && !defined(LOCKSTEP_NO_AVX512) && !defined(LOCKSTEP_NO_SIMD)
+// 16 outputs of channel plane h from taps at byte offsets off0 of pc (AVX-512F gathers). The masked
+// forms with zero as the pass-through: GCC 12 warns that the unmasked ones' undefined pass-through
+// "may be used uninitialized".
+inline void lerp16_gather(const std::uint8_t* pc, const int* off0, const float* fx, float* h) {
+  const __m512i low = _mm512_set1_epi32(0xFF), zero = _mm512_setzero_si512();
+  const __mmask16 all = 0xFFFF;
+  const __m512i v = _mm512_mask_i32gather_epi32(zero, all, _mm512_loadu_si512(off0), pc, 1);
+  const __m512 a = _mm512_maskz_cvtepi32_ps(all, _mm512_and_si512(v, low));
+  const __m512 b = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_srli_epi32(all, v, 24));
+  _mm512_storeu_ps(h, _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(fx), _mm512_sub_ps(b, a))));
+}
+#endif
+
+#if defined(__AVX512VBMI__) && !defined(LOCKSTEP_NO_AVX512) && !defined(LOCKSTEP_NO_SIMD) && !defined(LOCKSTEP_NO_VBMI)
+#define LOCKSTEP_SAMPLE_JPEG_VBMI 1
+#endif
+
+// The VBMI path's groups: base[g] = the first byte of group g's window (or -1: gather), idx (64 bytes
+// per group) the window offsets of a (bytes 0..15) and b (16..31) for channel 0.
+inline void permute_groups(const int* off0, std::size_t S, int* base, std::uint8_t* idx) {
+  for (std::size_t g = 0; (g + 1) * 16 <= S; ++g) {
+    const int* o = off0 + 16 * g;
+    const int lo = *std::min_element(o, o + 16), hi = *std::max_element(o, o + 16);
+    std::uint8_t* ix = idx + 64 * g;
+    std::fill(ix, ix + 64, std::uint8_t{0});
+    if (hi - lo + 3 + 2 > 127) {  // b of channel 2 must lie inside the 128-byte window
+      base[g] = -1;
+      continue;
+    }
+    base[g] = lo;
+    for (int k = 0; k < 16; ++k) {
+      ix[k] = static_cast<std::uint8_t>(o[k] - lo);
+      ix[16 + k] = static_cast<std::uint8_t>(o[k] - lo + 3);
+    }
+  }
+}
+
+inline void lerp_taps(const std::uint8_t* p, const int* off0, const int* off1, const float* fx, std::size_t S,
+                      const int* base, const std::uint8_t* idx, float* hrow) {
+  std::size_t done = 0;  // outputs of every channel written by the grouped path
+#if defined(LOCKSTEP_SAMPLE_JPEG_VBMI)
+  const __mmask16 all = 0xFFFF;
+  for (std::size_t g = 0; (g + 1) * 16 <= S; ++g) {
+    const std::size_t ox = 16 * g;
+    if (base[g] < 0) {
+      for (std::size_t c = 0; c < 3; ++c) lerp16_gather(p + c, off0 + ox, fx + ox, hrow + c * S + ox);
+      continue;
+    }
+    const __m512i lo = _mm512_loadu_si512(p + base[g]), hi = _mm512_loadu_si512(p + base[g] + 64);
+    const __m512i ix = _mm512_loadu_si512(idx + 64 * g);
+    const __m512 f = _mm512_loadu_ps(fx + ox);
+    for (std::size_t c = 0; c < 3; ++c) {
+      const __m512i v = _mm512_permutex2var_epi8(lo, _mm512_add_epi8(ix, _mm512_set1_epi8(static_cast<char>(c))), hi);
+      const __m512 a = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_cvtepu8_epi32(all, _mm512_maskz_extracti32x4_epi32(0xF, v, 0)));
+      const __m512 b = _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_cvtepu8_epi32(all, _mm512_maskz_extracti32x4_epi32(0xF, v, 1)));
+      _mm512_storeu_ps(hrow + c * S + ox, _mm512_add_ps(a, _mm512_mul_ps(f, _mm512_sub_ps(b, a))));
+    }
+  }
+  done = S / 16 * 16;
+#else
+  (void)base;
+  (void)idx;
+#endif
+  for (std::size_t c = 0; c < 3; ++c) {
+    const std::uint8_t* pc = p + c;
+    float* h = hrow + c * S;
+    std::size_t ox = done;
+#if !defined(LOCKSTEP_SAMPLE_JPEG_VBMI) && defined(__AVX512F__) && !defined(LOCKSTEP_NO_AVX512) && !defined(LOCKSTEP_NO_SIMD)
+    for (; ox + 16 <= S; ox += 16) lerp16_gather(pc, off0 + ox, fx + ox, h + ox);
+#elif !defined(LOCKSTEP_SAMPLE_JPEG_VBMI) && defined(__AVX2__) && !defined(LOCKSTEP_NO_SIMD)
+    const __m256i low = _mm256_set1_epi32(0xFF);
+    const int* words = reinterpret_cast<const int*>(pc);
+    for (; ox + 8 <= S; ox += 8) {
+      const __m256i v = _mm256_i32gather_epi32(words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off0 + ox)), 1);
+      const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+      const __m256 b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 24));
+      _mm256_storeu_ps(h + ox, _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(fx + ox), _mm256_sub_ps(b, a))));
+    }
+#endif
+    for (; ox < S; ++ox) {
+      const float a = pc[off0[ox]], b = pc[off1[ox]];
+      h[ox] = a + fx[ox] * (b - a);
+    }
   }
 }
 
@@ -161,6 +277,10 @@ class jpeg_decoder {
   // Extra pixels decoded beyond the taps on each side, so that libjpeg's cropped-edge upsampling
   // (see the file comment) never reaches a pixel the taps read.
   int margin = 2;
+  // Write (size, size, 3) instead of (3, size, size): the same values, channels interleaved.
+  bool channels_last = false;
+  // The DCT scales decode() may choose (choose_scale's bit set); all_scales for every n/8.
+  unsigned scales = simd_scales;
 
   jpeg_decoder() {
     cinfo_.err = jpeg_std_error(&err_.pub);
@@ -168,7 +288,7 @@ class jpeg_decoder {
     err_.pub.emit_message = jpeg_detail::on_message;
     err_.pub.output_message = jpeg_detail::no_output;
     err_.message[0] = 0;
-    jpeg_create_decompress(&cinfo_);  // allocation failure here would error_exit: out of memory
+    if (!create()) throw std::runtime_error(std::string("jpeg_decoder: libjpeg: ") + err_.message);
   }
   ~jpeg_decoder() { jpeg_destroy_decompress(&cinfo_); }
   jpeg_decoder(const jpeg_decoder&) = delete;
@@ -189,7 +309,7 @@ class jpeg_decoder {
       throw data_error(name + ": crop outside the " + std::to_string(info.header.width) + "x" +
                        std::to_string(info.header.height) + " image (a bug of the caller's planner)");
     }
-    info.scale_num = choose_scale(r, size);
+    info.scale_num = choose_scale(r, size, scales);
     prepare_taps(info, size);
     if (!decode_rows(info, size, norm, out)) fail(name);
     jpeg_abort_decompress(&cinfo_);
@@ -220,8 +340,13 @@ class jpeg_decoder {
     info.scaled_height = height;
     taps(info, size);
     row0_ = ylo_;
-    const std::uint8_t* base = rgb;
-    stream(size, norm, out, [&](int r) { return base + (static_cast<std::size_t>(r) * width) * 3; }, 0);
+    // Each row is copied into a padded buffer: lerp_taps reads past the last tap.
+    const std::size_t row_bytes = static_cast<std::size_t>(width) * 3;
+    scanline_.resize(std::max(scanline_.size(), row_bytes + pad));
+    stream(size, norm, out, [&](int r) {
+      std::memcpy(scanline_.data(), rgb + static_cast<std::size_t>(r) * row_bytes, row_bytes);
+      return static_cast<const std::uint8_t*>(scanline_.data());
+    }, 0);
   }
 
   // Reads the header and checks what can be checked before decoding. Leaves libjpeg ready for
@@ -272,6 +397,12 @@ class jpeg_decoder {
 
   // The setjmp frames below hold no object with a destructor, and everything they write that is
   // read after a longjmp lives in *this.
+  bool create() {
+    if (setjmp(err_.jump)) return false;  // out of memory in jpeg_create_decompress
+    jpeg_create_decompress(&cinfo_);
+    return true;
+  }
+
   bool header_phase(const std::uint8_t* data, std::size_t n, jpeg_header* h, std::size_t* scan_start) {
     if (setjmp(err_.jump)) return false;
     jpeg_abort_decompress(&cinfo_);
@@ -318,6 +449,7 @@ class jpeg_decoder {
     yhi_ = y1_.back();
     hrow_[0].resize(3 * S);
     hrow_[1].resize(3 * S);
+    off0_.resize(S), off1_.resize(S);
     // Which scaled rows a tap reads; a downscale by more than 2 skips some.
     needed_.assign(static_cast<std::size_t>(yhi_ - ylo_ + 1), 0);
     for (std::size_t o = 0; o < S; ++o) needed_[y0_[o] - ylo_] = needed_[y1_[o] - ylo_] = 1;
@@ -341,8 +473,9 @@ class jpeg_decoder {
     info.row0 = first;
     info.rows = yhi_ + 1 - first;
     const std::size_t ncomp = cmyk_ ? 4 : 3;
-    if (scanline_.size() < width * ncomp) scanline_.resize(width * ncomp);
-    if (cmyk_ && rgb_.size() < width * 3) rgb_.resize(width * 3);
+    // + pad: lerp_taps reads past the last tap (jpeg_detail::row_pad).
+    if (scanline_.size() < width * ncomp + pad) scanline_.resize(width * ncomp + pad);
+    if (cmyk_ && rgb_.size() < width * 3 + pad) rgb_.resize(width * 3 + pad);
     if (first > 0) jpeg_skip_scanlines(&cinfo_, static_cast<JDIMENSION>(first));
     row0_ = first;
     stream(size, norm, out, [this](int) { return next_scanline(); }, static_cast<int>(xoff));
@@ -355,8 +488,8 @@ class jpeg_decoder {
     jpeg_start_decompress(&cinfo_);
     const std::size_t w = cinfo_.output_width, ncomp = cmyk_ ? 4 : 3;
     full_.resize(static_cast<std::size_t>(cinfo_.output_height) * w * 3);
-    if (scanline_.size() < w * ncomp) scanline_.resize(w * ncomp);
-    if (cmyk_ && rgb_.size() < w * 3) rgb_.resize(w * 3);
+    if (scanline_.size() < w * ncomp + pad) scanline_.resize(w * ncomp + pad);
+    if (cmyk_ && rgb_.size() < w * 3 + pad) rgb_.resize(w * 3 + pad);
     for (std::size_t r = 0; r < cinfo_.output_height; ++r) std::memcpy(full_.data() + r * w * 3, next_scanline(), w * 3);
     return true;
   }
@@ -382,21 +515,32 @@ class jpeg_decoder {
   template <class RowSource>
   void stream(int size, const normaliser& norm, float* out, RowSource&& row, int col0) {
     const std::size_t S = static_cast<std::size_t>(size), plane = S * S;
+    for (std::size_t o = 0; o < S; ++o) {  // byte offsets of the taps in a row that starts at col0
+      off0_[o] = 3 * (x0_[o] - col0);
+      off1_[o] = 3 * (x1_[o] - col0);
+    }
+    grp_base_.resize(S / 16 + 1);
+    grp_idx_.resize(64 * (S / 16 + 1));
+    jpeg_detail::permute_groups(off0_.data(), S, grp_base_.data(), grp_idx_.data());
     int oy = 0;
     for (int r = row0_; r <= yhi_ && oy < size; ++r) {
       const std::uint8_t* p = row(r);
       if (r < ylo_ || !needed_[static_cast<std::size_t>(r - ylo_)]) continue;
-      float* h = hrow_[r & 1].data();  // (3, size)
-      for (std::size_t ox = 0; ox < S; ++ox) {
-        const std::uint8_t* a = p + 3 * static_cast<std::size_t>(x0_[ox] - col0);
-        const std::uint8_t* b = p + 3 * static_cast<std::size_t>(x1_[ox] - col0);
-        const float f = fx_[ox];
-        for (std::size_t c = 0; c < 3; ++c) h[c * S + ox] = a[c] + f * (static_cast<float>(b[c]) - static_cast<float>(a[c]));
-      }
+      jpeg_detail::lerp_taps(p, off0_.data(), off1_.data(), fx_.data(), S, grp_base_.data(), grp_idx_.data(),
+                             hrow_[r & 1].data());
       for (; oy < size && y1_[static_cast<std::size_t>(oy)] <= r; ++oy) {
         const float* top = hrow_[y0_[static_cast<std::size_t>(oy)] & 1].data();
         const float* bot = hrow_[y1_[static_cast<std::size_t>(oy)] & 1].data();
         const float f = fy_[static_cast<std::size_t>(oy)];
+        if (channels_last) {  // (size, size, 3): the same operations, stored interleaved
+          float* o = out + static_cast<std::size_t>(oy) * S * 3;
+          for (std::size_t ox = 0; ox < S; ++ox)
+            for (std::size_t c = 0; c < 3; ++c) {
+              const float t = top[c * S + ox], u = bot[c * S + ox];
+              o[3 * ox + c] = (t + f * (u - t)) * norm.mul[c] + norm.add[c];
+            }
+          continue;
+        }
         for (std::size_t c = 0; c < 3; ++c) {
           float* o = out + c * plane + static_cast<std::size_t>(oy) * S;
           const float* t = top + c * S;
@@ -408,13 +552,16 @@ class jpeg_decoder {
     }
   }
 
+  static constexpr std::size_t pad = jpeg_detail::row_pad;
   jpeg_decompress_struct cinfo_{};
   jpeg_detail::error_manager err_{};
   bool cmyk_ = false, adobe_ = false;
   std::vector<std::uint8_t> scanline_, rgb_, full_;
-  std::vector<int> x0_, x1_, y0_, y1_;
+  std::vector<int> x0_, x1_, y0_, y1_, off0_, off1_;
   std::vector<float> fx_, fy_;
   std::vector<char> needed_;
+  std::vector<int> grp_base_;
+  std::vector<std::uint8_t> grp_idx_;
   std::vector<float> hrow_[2];
   int xlo_ = 0, xhi_ = 0, ylo_ = 0, yhi_ = 0, row0_ = 0;
 };

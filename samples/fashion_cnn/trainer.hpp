@@ -69,6 +69,9 @@ struct options {
   float label_smoothing = 0.1f;
   int bn_group = 1;
   std::array<int, nblocks> channels{32, 64, 128};
+  std::array<int, 2> fc{0, 0};              // --fc H1,H2: the AlexNet-like head; 0,0: none
+  std::string parallel = "data";            // data | hybrid-a | hybrid-b | hybrid-c (replica_hybrid.hpp)
+  std::string activation_codec = "fp32";    // hybrid runs: activations on the wire
   std::uint64_t seed = 1;
   bool augment = true;
   bool resume = false;
@@ -117,6 +120,9 @@ inline std::uint64_t options_fingerprint(const options& o) {
     << o.error_feedback << ' ' << o.optimizer << ' ' << peak_lr(o) << ' ' << o.warmup_epochs << ' ' << o.end_lr << ' '
     << o.power << ' ' << o.momentum << ' ' << o.weight_decay << ' ' << o.lars_trust << ' ' << o.label_smoothing
     << ' ' << o.bn_group << ' ' << o.augment << ' ' << o.train_limit << ' ' << o.epochs;
+  // The head's shape changes the model; --parallel and --activation-codec do not change its format,
+  // so a hybrid run may resume as data-parallel and back.
+  if (o.fc[0] > 0) s << " fc " << o.fc[0] << ',' << o.fc[1];
   return sample::fingerprint(s.str());
 }
 
@@ -211,6 +217,7 @@ inline config model_config(const options& o) {
   config cfg;
   cfg.channels = o.channels;
   cfg.label_smoothing = o.label_smoothing;
+  cfg.fc = o.fc;
   return cfg;
 }
 
@@ -281,6 +288,7 @@ void train_replica(Group& world, const options& o, const shared_data& data, Repl
         progress.print(epoch + 1, o.epochs, s + 1, steps_per_epoch, step, lr);
     }
     const double epoch_s = std::chrono::duration<double>(clock::now() - t_epoch).count();
+    if constexpr (requires { rep.end_epoch(); }) rep.end_epoch();  // hybrid: gather the split layers
 
     // Every replica ends the epoch with the same model: the running statistics of different BN
     // groups differ, so average them (parameters are already equal).
@@ -350,6 +358,25 @@ inline void validate(const options& o) {
   if (o.epochs < 1) bad("--epochs must be at least 1");
   if (o.lr < 0) bad("--lr must be positive (0: the optimizer's default)");
   if (o.label_smoothing < 0 || o.label_smoothing >= 1) bad("--label-smoothing must be in [0, 1)");
+  if ((o.fc[0] > 0) != (o.fc[1] > 0) || o.fc[0] < 0 || o.fc[1] < 0) bad("--fc wants two positive widths H1,H2");
+  if (o.parallel != "data" && o.parallel != "hybrid-a" && o.parallel != "hybrid-b" && o.parallel != "hybrid-c")
+    bad("--parallel must be data, hybrid-a, hybrid-b or hybrid-c");
+  if (o.activation_codec != "fp32" && o.activation_codec != "bf16" && o.activation_codec != "int8" &&
+      o.activation_codec != "dyntree8")
+    bad("--activation-codec must be fp32, bf16, int8 or dyntree8");
+  if (o.parallel != "data") {
+    if (o.fc[0] <= 0) bad("--parallel " + o.parallel + " splits the FC head: give --fc H1,H2");
+    if (o.fc[0] < o.ranks) bad("--fc " + std::to_string(o.fc[0]) + ",...: each of the " + std::to_string(o.ranks) +
+                               " ranks needs at least one of fc1's columns");
+    if (o.optimizer != "sgd") bad("--parallel " + o.parallel + " supports --optimizer sgd only (LARS needs whole-tensor norms)");
+    if (o.error_feedback) bad("--parallel " + o.parallel + " does not support --error-feedback");
+  }
+}
+
+// The GPU trainer has neither the FC head nor hybrid parallelism (yet): say so instead of ignoring them.
+inline void validate_gpu(const options& o) {
+  if (o.fc[0] > 0 || o.parallel != "data")
+    throw std::invalid_argument("--fc and --parallel are built for the CPU trainer only (lockstep-train-fashion)");
 }
 
 // Loads the data set once for this process, keeping the first N images where the flags say so.

@@ -78,6 +78,25 @@ class group {
     return out;
   }
 
+  // A new group of this group's ranks except `gone`, collective over those ranks alone: the
+  // survivors' way on after a failure (this group stays failed). New ranks keep the old order.
+  // Where the transport can build one (mpi: transport/mpi_p2p.hpp, without_failed).
+  group without(const std::vector<int>& gone)
+    requires requires(T& t, const std::vector<int>& m, transport::clock::time_point d) {
+      { t.without_failed(m, d) } -> std::same_as<T>;
+    }
+  {
+    std::vector<int> members;
+    for (int r = 0; r < size(); ++r)
+      if (std::find(gone.begin(), gone.end(), r) == gone.end()) members.push_back(r);
+    return group(s_->t.without_failed(members, deadline()), s_->opt);
+  }
+
+  // Tells every rank of the group that this one failed (a failure outside a collective: a
+  // program's own error, caught at its top): their waits throw errc::aborted naming this rank and
+  // `reason`, and so do this rank's later calls. A collective that fails does this itself.
+  void abort(const std::string& reason) { s_->t.abort(reason); }
+
   transport::clock::time_point deadline() const { return transport::clock::now() + s_->opt.timeout; }
 
   // Runs `fn` in this group's order: inline when nothing is queued, else after the queue drains.

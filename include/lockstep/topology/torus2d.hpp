@@ -51,20 +51,21 @@ struct torus2d {
   }
   std::string name() const { return "torus2d"; }
 
+  // The lambdas capture C by copy, by name: clang before 16 cannot capture a structured binding.
   schedule reduce_scatter(int rank, int size) const {
     const auto [R, C] = shape(size, rank);
     const int i = rank / C, j = rank % C;
     schedule s{rank, size, static_cast<std::uint32_t>(size), {}, {static_cast<std::uint32_t>(rank), 1}};
-    ring_reduce_scatter(s, R, i, [&, j = j](int p) { return p * C + j; }, 0, static_cast<std::uint32_t>(C));
-    ring_reduce_scatter(s, C, j, [&, i = i](int q) { return i * C + q; }, static_cast<std::uint32_t>(i * C), 1);
+    ring_reduce_scatter(s, R, i, [C = C, j](int p) { return p * C + j; }, 0, static_cast<std::uint32_t>(C));
+    ring_reduce_scatter(s, C, j, [C = C, i](int q) { return i * C + q; }, static_cast<std::uint32_t>(i * C), 1);
     return s;
   }
   schedule all_gather(int rank, int size) const {
     const auto [R, C] = shape(size, rank);
     const int i = rank / C, j = rank % C;
     schedule s{rank, size, static_cast<std::uint32_t>(size), {}, {static_cast<std::uint32_t>(rank), 1}};
-    ring_all_gather(s, C, j, [&, i = i](int q) { return i * C + q; }, static_cast<std::uint32_t>(i * C), 1);
-    ring_all_gather(s, R, i, [&, j = j](int p) { return p * C + j; }, 0, static_cast<std::uint32_t>(C));
+    ring_all_gather(s, C, j, [C = C, i](int q) { return i * C + q; }, static_cast<std::uint32_t>(i * C), 1);
+    ring_all_gather(s, R, i, [C = C, j](int p) { return p * C + j; }, 0, static_cast<std::uint32_t>(C));
     return s;
   }
 };

@@ -11,7 +11,8 @@
 //                                          receive's own buffer, a shared ring, the sender's memory);
 //                                          they are valid only during fn, which may throw; false when
 //                                          the deadline passed first (fn not called)
-//   t.abort(reason)                        tell the other ranks this one failed (best effort)
+//   t.abort(reason)                        tell every other rank of the group this one failed (best
+//                                          effort); their waits throw errc::aborted naming it
 //   t.name(), T::segment_bytes             printable name; segment size that pipelines well
 // and optionally
 //   t.split(color, key, deadline)          a new endpoint for the sub-group of equal colour, ranked

@@ -22,8 +22,14 @@
 // setting to make, not the library's.
 //
 // abort() marks this endpoint failed: later calls on it throw errc::aborted at once, and so do the
-// waits of the peers on its node (through the segment); peers on other nodes find out through
-// their own timeouts (mpi_p2p.hpp, which also states the limits of a send MPI cannot withdraw).
+// waits of every other rank of the group, on any node: an abort message on a communicator of its
+// own that every wait probes (mpi_p2p.hpp, which also states the limits of a send MPI cannot
+// withdraw), and through the segment for the ranks of its node. A wait for a peer on this node
+// also watches that peer's process (peer_watch.hpp; shared memory on or off): one that was killed
+// or exited is reported within milliseconds, naming it, and the group is told in its name. Across
+// nodes a dead process is found by the group's timeout. A timeout names what this node can see of
+// the peer (stopped, running, gone). without_failed() builds a group of the survivors.
+// docs/reliability.md has the promises and the measured times.
 #pragma once
 
 #include "routed.hpp"

@@ -21,9 +21,15 @@
 // rank spinning in MPI_Test steals the core its peer needs to make the progress it waits for, so
 // the poll backs off: a few tests, then yields, then short sleeps.
 //
-// abort() marks this endpoint failed: later calls on it throw errc::aborted at once. Peers find
-// out through their own timeouts; MPI has no way to interrupt them short of MPI_Abort, which would
-// take the whole job down with it.
+// abort() marks this endpoint failed (later calls on it throw errc::aborted at once) and tells every
+// other rank of the group out of band: a small message {group id, rank, reason} on a second
+// communicator of its own (a duplicate made with the first), which every wait of every rank probes
+// (MPI_Improbe, at most once a millisecond) beside its own request. A rank that finds one marks its
+// endpoint failed and throws errc::aborted naming the failing rank (error::peer()) and its message,
+// within a millisecond or so of the message's arrival, whether the failing rank was a neighbour or
+// not. The group id (drawn by rank 0 at set-up) keeps a late abort of a group whose communicator
+// was freed away from a new group that Open MPI gave the same context id. MPI_Abort is never
+// used: it would take the whole job down, the survivors included.
 //
 // Limits: one message carries at most INT_MAX bytes (MPI's count is an int; the executor's
 // segments are far smaller). After a timeout a send this rank gave up on may still be matched by
@@ -47,12 +53,14 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -93,22 +101,35 @@ struct mpi_recv_slot {
 // The communicator of one group and what all copies of its endpoint share.
 struct mpi_comm_state {
   MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm abort_comm = MPI_COMM_NULL;  // carries abort messages only (one tag)
+  std::uint64_t id = 0;                 // the group's, drawn by rank 0 at set-up
   int rank = 0, size = 0;
   long tag_ub = 32767;  // the smallest MPI_TAG_UB the standard allows
 
   std::mutex m;
   std::atomic<bool> aborted{false};
   std::string abort_reason;
+  int failed_rank = -1;  // the rank whose abort message this endpoint received; -1: none (or own)
+  // The next time a wait probes abort_comm (steady_clock ticks): at most once a millisecond.
+  std::atomic<clock::rep> next_abort_probe{0};
   // A split that timed out leaves its MPI_Iallgather running (MPI cannot cancel a collective);
   // its request and buffers stay here so that MPI never writes into freed memory.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<int>>>> abandoned;
   // Posted receives not yet matched to a message, oldest first, per (peer, tag).
   std::map<std::pair<int, std::uint32_t>, std::deque<std::shared_ptr<mpi_recv_slot>>> unmatched;
 
+  // Collective over c (the abort communicator's MPI_Comm_dup and the id's MPI_Bcast).
   explicit mpi_comm_state(MPI_Comm c) : comm(c) {
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &rank);
     MPI_Comm_size(comm, &size);
+    int rc = MPI_Comm_dup(comm, &abort_comm);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", rank, -1, "MPI_Comm_dup: " + mpi_error_text(rc));
+    MPI_Comm_set_errhandler(abort_comm, MPI_ERRORS_RETURN);
+    if (rank == 0) id = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
+                        static_cast<std::uint64_t>(clock::now().time_since_epoch().count());
+    rc = MPI_Bcast(&id, 1, MPI_UINT64_T, 0, abort_comm);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", rank, -1, "MPI_Bcast: " + mpi_error_text(rc));
     void* ub = nullptr;
     int found = 0;
     // MPI_TAG_UB is an attribute of MPI_COMM_WORLD only; it holds for every communicator.
@@ -125,10 +146,40 @@ struct mpi_comm_state {
       // hands a freed communicator's context id to the next one made, where such a late
       // message would be matched as if it were new (a CI run saw a fresh group fail with a
       // mismatch 0.1 ms into its first call).
-      if (abandoned.empty() && !aborted.load()) MPI_Comm_free(&comm);
+      // The abort communicator likewise: the abort messages this rank sent may still be on it.
+      if (abandoned.empty() && !aborted.load()) {
+        MPI_Comm_free(&comm);
+        if (abort_comm != MPI_COMM_NULL) MPI_Comm_free(&abort_comm);
+      }
     }
   }
 };
+
+// An abort message: {group id, rank, reason bytes}.
+struct mpi_abort_message {
+  static constexpr int tag = 1;
+  static constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(std::int32_t);
+  static std::vector<char> make(std::uint64_t id, int rank, const std::string& reason) {
+    std::vector<char> b(head + std::min<std::size_t>(reason.size(), 4000));
+    const auto r = static_cast<std::int32_t>(rank);
+    std::memcpy(b.data(), &id, sizeof id);
+    std::memcpy(b.data() + sizeof id, &r, sizeof r);
+    std::memcpy(b.data() + head, reason.data(), b.size() - head);
+    return b;
+  }
+};
+
+// Abort messages and their requests outlive the endpoint that sent them: MPI reads the bytes
+// until each send completes, which a dead or slow peer may put off indefinitely. Aborts are rare
+// and small, so they are kept for the life of the process (reachable, not leaked).
+inline void keep_abort_sends(std::shared_ptr<void> bytes, std::vector<MPI_Request> reqs) {
+  static std::mutex m;
+  static std::vector<std::pair<std::shared_ptr<void>, std::vector<MPI_Request>>> kept;
+  std::lock_guard lk(m);
+  for (auto& q : reqs)
+    if (q != MPI_REQUEST_NULL && !mpi_finalized()) MPI_Request_free(&q);  // MPI completes them itself
+  kept.emplace_back(std::move(bytes), std::move(reqs));
+}
 
 }  // namespace detail
 
@@ -315,8 +366,11 @@ class mpi_p2p {
     throw_if_aborted(op, r.peer_);
     auto sleep = first_sleep;
     for (int polls = 0;; ++polls) {
-      idle();
       if (test(r, op)) return true;
+      // After a look that found nothing: what a wait on its behalf checks (another rank's abort,
+      // and whatever the caller's idle does) sees the state that look saw, or a later one.
+      poll_abort(op, r.peer_);
+      idle();
       if (clock::now() >= deadline) return false;
       if (polls < spin_polls) continue;
       if (polls < spin_polls + yield_polls) {
@@ -371,21 +425,156 @@ class mpi_p2p {
   }
   mpi_p2p split(int color, int key, clock::time_point deadline) { return split(color, key, deadline, [] {}); }
 
-  // Marks this endpoint and every copy failed; true when this call did (not an earlier one).
-  bool abort(const std::string& reason) {
+  // A new endpoint over `members` (ranks of this group, distinct; new ranks follow this list's
+  // order), collective over those ranks alone, so it works on a group that failed and whose other
+  // ranks are gone: what the survivors of an abort build to go on. The members first exchange a
+  // word over the abort communicator, waited for with the deadline; once each has every other's,
+  // all are inside this call and MPI_Comm_create_group (blocking) cannot hang on an absent one.
+  // The members must agree on the list: the caller's (error::peer() of the abort names the rank
+  // that failed). Open MPI needs mpirun --enable-recovery to keep the others running when a
+  // process dies; without it mpirun ends the whole job.
+  mpi_p2p without_failed(const std::vector<int>& members, clock::time_point deadline) {
+    if (!s_) throw error(errc::invalid_argument, "regroup", -1, -1, "endpoint not connected to a communicator");
+    const int me = s_->rank;
+    if (std::find(members.begin(), members.end(), me) == members.end())
+      throw error(errc::invalid_argument, "regroup", me, -1, "this rank is not one of the members");
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (members[i] < 0 || members[i] >= s_->size)
+        throw error(errc::invalid_argument, "regroup", me, members[i], "member out of range for a group of " + std::to_string(s_->size));
+      if (std::find(members.begin(), members.begin() + static_cast<std::ptrdiff_t>(i), members[i]) != members.begin() + static_cast<std::ptrdiff_t>(i))
+        throw error(errc::invalid_argument, "regroup", me, members[i], "member listed twice");
+    }
+    constexpr int hello_tag = 2;
+    auto words = std::make_shared<std::vector<int>>(members.size() + 1, 0);
+    (*words)[members.size()] = me;
+    std::vector<MPI_Request> reqs;
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (members[i] == me) continue;
+      MPI_Request q = MPI_REQUEST_NULL;
+      int rc = MPI_Irecv(&(*words)[i], 1, MPI_INT, members[i], hello_tag, s_->abort_comm, &q);
+      if (rc == MPI_SUCCESS) reqs.push_back(q);
+      rc = rc == MPI_SUCCESS ? MPI_Isend(&(*words)[members.size()], 1, MPI_INT, members[i], hello_tag, s_->abort_comm, &q) : rc;
+      if (rc != MPI_SUCCESS) throw error(errc::transport, "regroup", me, members[i], "MPI_Isend: " + detail::mpi_error_text(rc));
+      reqs.push_back(q);
+    }
+    for (int all = 0;;) {
+      if (MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &all, MPI_STATUSES_IGNORE) != MPI_SUCCESS || all) break;
+      if (clock::now() >= deadline) {
+        // Requests stay with MPI (and their words with them): a late member may still answer.
+        detail::keep_abort_sends(words, std::move(reqs));
+        std::string missing;
+        for (std::size_t i = 0; i < members.size(); ++i)
+          if (members[i] != me && (*words)[i] != members[i]) missing += (missing.empty() ? "" : ", ") + std::to_string(members[i]);
+        throw error(errc::timeout, "regroup", me, -1, "not every member called it (no word from rank " + missing + ")");
+      }
+      std::this_thread::sleep_for(max_sleep);
+    }
+    MPI_Group whole = MPI_GROUP_NULL, part = MPI_GROUP_NULL;
+    MPI_Comm_group(s_->comm, &whole);
+    MPI_Group_incl(whole, static_cast<int>(members.size()), members.data(), &part);
+    MPI_Comm out = MPI_COMM_NULL;
+    const int rc = MPI_Comm_create_group(s_->comm, part, 0, &out);
+    MPI_Group_free(&part);
+    MPI_Group_free(&whole);
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "regroup", me, -1, "MPI_Comm_create_group: " + detail::mpi_error_text(rc));
+    mpi_p2p t;
+    t.s_ = std::make_shared<detail::mpi_comm_state>(out);
+    return t;
+  }
+
+  // Marks this endpoint and every copy failed and sends the abort message to every other rank of
+  // the group; true when this call did (not an earlier one, nor another rank's abort message).
+  // `origin`: the rank that failed, where this one only saw it happen (a node-local peer's
+  // process gone); -1: this rank.
+  bool abort(const std::string& reason, int origin = -1) {
     if (!s_) return false;
-    std::lock_guard lk(s_->m);
-    if (s_->aborted.load()) return false;
-    s_->abort_reason = reason;
-    s_->aborted.store(true);
+    {
+      std::lock_guard lk(s_->m);
+      if (s_->aborted.load()) return false;
+      s_->abort_reason = reason;
+      s_->aborted.store(true);
+    }
+    if (detail::mpi_finalized()) return true;
+    auto bytes = std::make_shared<std::vector<char>>(detail::mpi_abort_message::make(s_->id, origin < 0 ? s_->rank : origin, reason));
+    std::vector<MPI_Request> reqs;
+    for (int p = 0; p < s_->size; ++p) {
+      if (p == s_->rank) continue;
+      MPI_Request q = MPI_REQUEST_NULL;
+      // Best effort: a peer that is gone may make MPI refuse; the others are still told.
+      if (MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, p, detail::mpi_abort_message::tag,
+                    s_->abort_comm, &q) == MPI_SUCCESS)
+        reqs.push_back(q);
+    }
+    // A moment for the messages to leave (they are small: eager), in case this process exits next.
+    const auto until = clock::now() + std::chrono::milliseconds(20);
+    int all = 0;
+    while (!reqs.empty() && MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &all, MPI_STATUSES_IGNORE) == MPI_SUCCESS &&
+           !all && clock::now() < until)
+      std::this_thread::yield();
+    detail::keep_abort_sends(std::move(bytes), std::move(reqs));
     return true;
   }
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_relaxed); }
+  // Marks this endpoint failed because rank `origin` did, without telling anyone: the caller heard
+  // it from a channel every rank hears (a shared-memory flag), so a relay would only add noise.
+  void mark_failed(int origin, const std::string& detail_text) {
+    if (!s_) return;
+    std::lock_guard lk(s_->m);
+    if (s_->aborted.load()) return;
+    s_->failed_rank = origin;
+    s_->abort_reason = detail_text;
+    s_->aborted.store(true);
+  }
+  // The rank whose abort message failed this endpoint; -1 when none did.
+  int failed_rank() const {
+    if (!s_) return -1;
+    std::lock_guard lk(s_->m);
+    return s_->failed_rank;
+  }
 
   void throw_if_aborted(const char* op, int peer) const {
     if (!s_ || !s_->aborted.load(std::memory_order_relaxed)) return;
     std::lock_guard lk(s_->m);
+    if (s_->failed_rank >= 0) throw error(errc::aborted, op, s_->rank, s_->failed_rank, s_->abort_reason);
     throw error(errc::aborted, op, s_->rank, peer, "this endpoint failed earlier: " + s_->abort_reason);
+  }
+
+  // Looks for another rank's abort message (at most once a millisecond unless `now`); when one of
+  // this group has come, marks this endpoint failed and throws errc::aborted naming that rank
+  // (error::peer()) and its reason. Matched probes: threads of this rank may look at once.
+  void poll_abort(const char* op, int peer, bool now = false) {
+    if (!s_ || s_->abort_comm == MPI_COMM_NULL) return;
+    const auto t = clock::now().time_since_epoch().count();
+    if (!now && t < s_->next_abort_probe.load(std::memory_order_relaxed)) return;
+    s_->next_abort_probe.store(t + std::chrono::duration_cast<clock::duration>(std::chrono::milliseconds(1)).count(),
+                               std::memory_order_relaxed);
+    for (;;) {
+      int flag = 0;
+      MPI_Message msg = MPI_MESSAGE_NULL;
+      MPI_Status st{};
+      if (MPI_Improbe(MPI_ANY_SOURCE, detail::mpi_abort_message::tag, s_->abort_comm, &flag, &msg, &st) != MPI_SUCCESS || !flag)
+        break;
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      std::vector<char> b(static_cast<std::size_t>(std::max(count, 1)));
+      if (MPI_Mrecv(b.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+      std::uint64_t id = 0;
+      std::int32_t from = -1;
+      if (static_cast<std::size_t>(count) < detail::mpi_abort_message::head) continue;
+      std::memcpy(&id, b.data(), sizeof id);
+      std::memcpy(&from, b.data() + sizeof id, sizeof from);
+      if (id != s_->id) continue;  // a late message for an earlier group on a reused context id
+      const std::string reason(b.data() + detail::mpi_abort_message::head, static_cast<std::size_t>(count) - detail::mpi_abort_message::head);
+      {
+        std::lock_guard lk(s_->m);
+        if (!s_->aborted.load()) {
+          s_->failed_rank = from;
+          s_->abort_reason = "rank " + std::to_string(from) + " failed: " + reason;
+          s_->aborted.store(true);
+        }
+      }
+      throw_if_aborted(op, peer);
+    }
   }
 
   // The checks of every send and receive: connected, not failed, a peer of the group, a tag and

@@ -17,7 +17,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -25,6 +28,7 @@
 #include "../core/error.hpp"
 #include "concept.hpp"
 #include "mpi_p2p.hpp"
+#include "peer_watch.hpp"
 #include "shm/endpoint.hpp"
 
 namespace lockstep::transport {
@@ -52,7 +56,35 @@ struct routes {
   std::vector<int> local_of;            // local_of[peer]: its index on this node, or -1
   bool remote = true;                   // some peer is off this node
   std::string note;                     // why shared memory (or by-reference sends) is off
+  std::shared_ptr<peer_watch> watch;    // this node's other ranks' processes (null: one rank)
 };
+
+// Collective over far's communicator: the process ids of the group's ranks on this node, watched
+// by every wait for them (peer_watch.hpp), with or without shared memory. Peers in another PID
+// namespace (containers sharing a node) are left out: their pids mean nothing here.
+inline std::shared_ptr<peer_watch> watch_node_peers(const mpi_p2p& far) {
+  auto must = [&](int rc, const char* what) {
+    if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", far.rank(), -1, std::string(what) + ": " + mpi_error_text(rc));
+  };
+  MPI_Comm node = MPI_COMM_NULL;
+  must(MPI_Comm_split_type(far.comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+  int local = 0;
+  MPI_Comm_size(node, &local);
+  struct stat ns {};
+  // (rank, pid, PID namespace) of every local rank.
+  const long long mine[3] = {far.rank(), static_cast<long long>(getpid()),
+                             stat("/proc/self/ns/pid", &ns) == 0 ? static_cast<long long>(ns.st_ino) : 0};
+  std::vector<long long> all(3 * static_cast<std::size_t>(local));
+  const int rc = MPI_Allgather(mine, 3, MPI_LONG_LONG, all.data(), 3, MPI_LONG_LONG, node);
+  MPI_Comm_free(&node);
+  must(rc, "MPI_Allgather");
+  auto w = std::make_shared<peer_watch>(far.size());
+  for (int i = 0; i < local; ++i) {
+    const long long* e = all.data() + 3 * static_cast<std::size_t>(i);
+    if (e[0] != far.rank() && e[2] == mine[2] && mine[2] != 0) w->add(static_cast<int>(e[0]), static_cast<pid_t>(e[1]));
+  }
+  return w;
+}
 
 inline std::size_t shm_ring_bytes(const mpi_options& opt, int local_ranks) {
   if (opt.ring_bytes) return std::max<std::size_t>((opt.ring_bytes + 4095) / 4096 * 4096, 4096);
@@ -80,6 +112,7 @@ inline std::shared_ptr<routes> set_up_shared_memory(const mpi_p2p& far, const mp
     out->note = "off (one rank)";
     return out;
   }
+  out->watch = watch_node_peers(far);
   const char* env = std::getenv("LOCKSTEP_MPI_SHM");
   const bool env_off = env && std::string(env) == "0";
   int want = opt.shared_memory && !env_off ? 1 : 0, all_want = 0;
@@ -215,18 +248,22 @@ class routed {
 
   bool wait(request& r, clock::time_point deadline) {
     if (r.done()) return true;
-    if (auto* q = std::get_if<mpi_p2p::request>(&r.q_)) return far_.wait(*q, deadline, move_near());
-    auto& q = std::get<shm::request>(r.q_);
-    far_.throw_if_aborted(q.is_recv() ? "recv" : "send", r.peer_);
-    return routes_->near->wait(q, deadline, move_far(), far_sleep());
+    return settled([&] {
+      if (auto* q = std::get_if<mpi_p2p::request>(&r.q_)) return far_.wait(*q, deadline, move_near(op_of(*q), r.peer_));
+      auto& q = std::get<shm::request>(r.q_);
+      far_.throw_if_aborted(q.is_recv() ? "recv" : "send", r.peer_);
+      return routes_->near->wait(q, deadline, move_far(op_of(q), r.peer_), far_sleep());
+    });
   }
 
   // wait() for a receive without the last copy: the view is the received bytes, from a peer on
   // this node read in the ring they arrived in. Errors as wait().
   view wait_view(request& r, clock::time_point deadline) {
     if (auto* q = std::get_if<shm::request>(&r.q_)) {
-      if (!q->done()) far_.throw_if_aborted(q->is_recv() ? "recv" : "send", r.peer_);
-      return routes_->near->wait_view(*q, deadline, move_far(), far_sleep());
+      return settled([&] {
+        if (!q->done()) far_.throw_if_aborted(q->is_recv() ? "recv" : "send", r.peer_);
+        return routes_->near->wait_view(*q, deadline, move_far(op_of(*q), r.peer_), far_sleep());
+      });
     }
     const auto& q = std::get<mpi_p2p::request>(r.q_);
     const std::byte* data = q.buffer();  // MPI receives into the receive's own buffer
@@ -250,7 +287,17 @@ class routed {
   // group's shared-memory set-up.
   routed split(int color, int key, clock::time_point deadline) {
     routed t;
-    t.far_ = far_.split(color, key, deadline, move_near());
+    t.far_ = far_.split(color, key, deadline, move_near("split", -1));
+    t.routes_ = detail::set_up_shared_memory(t.far_, opt_);
+    t.opt_ = opt_;
+    return t;
+  }
+
+  // A new endpoint over `members` of this group, collective over them alone, usable after this
+  // one failed (mpi_p2p::without_failed), then the new group's shared-memory set-up.
+  routed without_failed(const std::vector<int>& members, clock::time_point deadline) {
+    routed t;
+    t.far_ = far_.without_failed(members, deadline);
     t.routes_ = detail::set_up_shared_memory(t.far_, opt_);
     t.opt_ = opt_;
     return t;
@@ -259,9 +306,27 @@ class routed {
   // Marks this endpoint failed: later calls throw errc::aborted at once, and so do the waits of
   // the peers on its node for messages to or from a rank of the node (through the segment).
   void abort(const std::string& reason) {
-    if (far_.abort(reason) && routes_->near) routes_->near->fail(reason);
+    if (far_.abort(reason) && routes_ && routes_->near) routes_->near->fail(reason);
   }
   bool aborted() const noexcept { return far_.aborted(); }
+
+  // What this node can tell about `peer`'s process, for a timeout's message: "process 1234 on this
+  // node, stopped (SIGSTOP or SIGTSTP)"; "on another node" where nothing can be seen.
+  // Any other rank of this node that is stopped is named too: the one a whole group waits for is
+  // often not the peer this rank waits for.
+  std::string describe_peer(int peer) const {
+    if (!routes_ || peer < 0 || peer >= size() || peer == rank()) return {};
+    peer_watch* const w = routes_->watch.get();
+    std::string d = w ? w->describe(peer) : std::string{};
+    if (d.empty()) d = "on another node";
+    for (int r = 0; w && r < size(); ++r) {
+      if (r == peer || r == rank() || !w->pid(r)) continue;
+      const std::string o = w->describe(r);
+      if (o.find("stopped") != std::string::npos || o.find("gone") != std::string::npos)
+        d += "; rank " + std::to_string(r) + " is " + o;
+    }
+    return d;
+  }
 
  private:
   request send(int peer, std::uint32_t tag, const void* data, std::size_t bytes, bool in_place) {
@@ -278,25 +343,75 @@ class routed {
     return routes_->near && peer != rank() ? routes_->local_of[static_cast<std::size_t>(peer)] : -1;
   }
 
-  // What a wait on one kind does between its looks for the other kind.
+  // An errc::aborted while a local rank's failed flag is up came over a channel every rank
+  // hears (that rank's abort message and flag): this endpoint is marked failed without a message
+  // of its own, so the executor's abort() sends none. (A message withdrawn with no flag up, a
+  // send given up alone, leaves the endpoint as it was.)
+  template <class F>
+  auto settled(F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const error& e) {
+      if (e.code() == errc::aborted && routes_->near && routes_->near->any_peer_failed()) far_.mark_failed(e.peer(), e.detail());
+      throw;
+    }
+  }
+
+  // What every wait for a receive does after a look that found it unfinished: is the sender's
+  // process still there? A dead one cannot tell the group; this rank does it in its name. Not
+  // asked for sends: over MPI a large send completes only when the receiver's acknowledgement is
+  // seen, and a receiver that got everything may have exited by then (its death, if it is one,
+  // is found by those who receive from it). A rank that told the group before it went (its
+  // abort message, its failed flag) is reported with its own words.
+  void throw_if_gone(const char* op, int peer) {
+    peer_watch* const watch = routes_ ? routes_->watch.get() : nullptr;
+    if (!watch || std::string_view(op) != "recv" || !watch->gone(peer)) return;
+    far_.poll_abort(op, peer, true);
+    if (routes_->near) settled([&] {
+      routes_->near->throw_if_peer_failed(op, peer);
+      return 0;
+    });
+    const std::string what = "rank " + std::to_string(peer) + " (process " + std::to_string(watch->pid(peer)) +
+                             " on the node of rank " + std::to_string(rank()) +
+                             ") is gone: it exited or was killed without telling the group";
+    // Not through the rings' flags: those would name this rank as the one that failed. The
+    // abort message reaches the local ranks too, within a ring waiter's capped sleep.
+    far_.abort(what, peer);
+    far_.mark_failed(peer, what);
+    throw error(errc::aborted, op, rank(), peer, what);
+  }
+  // What a wait on one kind does between its looks for the other kind, then the check above.
   struct progress_near {
-    shm::endpoint* near;
+    routed* self;
+    const char* op;
+    int peer;
     void operator()() const {
-      if (near) near->progress();
+      if (self->routes_ && self->routes_->near) self->routes_->near->progress();
+      self->throw_if_gone(op, peer);
     }
   };
   struct match_far {
-    mpi_p2p* far;
-    bool remote;
+    routed* self;
+    const char* op;
+    int peer;
     void operator()() const {
-      if (remote) far->match_all();
+      if (self->routes_->remote) self->far_.match_all();
+      self->far_.poll_abort(op, peer);  // a rank off this node (or any, over MPI) told the group it failed
+      self->throw_if_gone(op, peer);
     }
   };
-  progress_near move_near() const { return {routes_ ? routes_->near.get() : nullptr}; }
-  match_far move_far() { return {&far_, routes_->remote}; }
-  // With peers that MPI carries, a ring's waiter sleeps at most as long as MPI's would.
+  template <class Q>
+  static const char* op_of(const Q& q) {
+    return q.is_recv() ? "recv" : "send";
+  }
+  progress_near move_near(const char* op, int peer) { return {this, op, peer}; }
+  match_far move_far(const char* op, int peer) { return {this, op, peer}; }
+  // With peers that MPI carries, a ring's waiter sleeps at most as long as MPI's would; with
+  // processes to watch, no longer than watch_sleep, so that a dead one is noticed within it.
+  static constexpr std::chrono::milliseconds watch_sleep{50};
   std::chrono::nanoseconds far_sleep() const {
-    return routes_->remote ? std::chrono::nanoseconds(mpi_p2p::max_sleep) : std::chrono::nanoseconds(shm::endpoint::idle_sleep);
+    if (routes_->remote) return std::chrono::nanoseconds(mpi_p2p::max_sleep);
+    return std::min<std::chrono::nanoseconds>(shm::endpoint::idle_sleep, watch_sleep);
   }
 
   mpi_p2p far_;

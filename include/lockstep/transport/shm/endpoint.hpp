@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -181,6 +182,8 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
  public:
   // From ref_min_bytes on, in-place sends go by reference (where the set-up allowed it).
   static constexpr std::size_t ref_min_bytes = std::size_t{64} << 10;
+  // The largest by-reference message set aside (match()); larger ones wait for their receive.
+  static constexpr std::uint64_t ref_aside_max = std::uint64_t{64} << 20;
   // The longest sleep of a wait with nothing else to do: everything a wait can wait for rings the
   // doorbell (a peer's write or read, an abort, another thread of this rank completing the
   // request); the cap only bounds a lost wake-up.
@@ -240,16 +243,19 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     for (int polls = 0;; ++polls) {
       const std::uint32_t seen = block(local_).bell.seen();
       progress(recv, in_place);
-      idle();
       if (recv && recv->in_ring.load(std::memory_order_acquire)) {
         if (in_place) return true;  // wait_view reads it there
         take(*recv);                // parked in the ring: a plain wait copies it out
       }
       if ((recv ? recv->done : send->done).load(std::memory_order_acquire)) {
         r.done_ = true;
+        if (recv && recv->withdrawn) throw_if_peer_failed(op, r.peer_);  // the failure, not its echo
         if (recv) throw_if_failed(*recv, r.peer_);
         return true;
       }
+      // After a look that found nothing, so that what idle checks (the routed transport: is the
+      // peer's process still there?) never overtakes a message that had arrived.
+      idle();
       throw_if_peer_failed(op, names_[static_cast<std::size_t>(r.peer_)]);
       const auto now = clock::now();
       if (now >= deadline) return false;
@@ -318,12 +324,20 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     b.failed.store(1, std::memory_order_release);
     for (int p = 0; p < lay_.ranks; ++p) block(p).bell.ring(true);
   }
-  // Throws errc::aborted when another local rank of the group failed.
-  void throw_if_peer_failed(const char* op, int peer_name) const {
+  // Whether another local rank of the group has set its failed flag.
+  bool any_peer_failed() const {
+    for (int p = 0; p < lay_.ranks; ++p)
+      if (p != local_ && block(p).failed.load(std::memory_order_acquire)) return true;
+    return false;
+  }
+  // Throws errc::aborted, naming the failed rank as its peer(), when another local rank of the
+  // group failed (whichever peer the caller waited for: the failed rank need not be that one).
+  void throw_if_peer_failed(const char* op, int /*waited_for*/) const {
     for (int p = 0; p < lay_.ranks; ++p) {
       if (p == local_ || !block(p).failed.load(std::memory_order_acquire)) continue;
-      throw error(errc::aborted, op, names_[static_cast<std::size_t>(local_)], peer_name,
-                  "rank " + std::to_string(names_[static_cast<std::size_t>(p)]) + " failed: " + std::string(block(p).reason));
+      const int name = names_[static_cast<std::size_t>(p)];
+      throw error(errc::aborted, op, names_[static_cast<std::size_t>(local_)], name,
+                  "rank " + std::to_string(name) + " failed: " + std::string(block(p).reason));
     }
   }
 
@@ -357,7 +371,8 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   // A message read before its receive was posted (another tag's receive was waiting behind it).
   struct unexpected_msg {
     std::uint32_t tag = 0;
-    std::vector<std::byte> data;
+    std::uint64_t bytes = 0;       // as its frame says
+    std::vector<std::byte> data;   // what has arrived of them
     bool complete = false, withdrawn = false;
     std::shared_ptr<recv_op> claimed;  // a receive posted while this was still arriving
   };
@@ -518,10 +533,11 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     return false;
   }
   static void deliver(unexpected_msg& u, recv_op& r) {
-    if (u.data.size() == r.bytes) {
-      if (r.bytes) std::memcpy(r.dst, u.data.data(), r.bytes);
+    if (u.bytes == r.bytes) {
+      // Short only when withdrawn midway (its receive reports that, whatever the bytes).
+      if (r.bytes && u.data.size() == r.bytes) std::memcpy(r.dst, u.data.data(), r.bytes);
     } else {
-      r.got = static_cast<std::int64_t>(u.data.size());
+      r.got = static_cast<std::int64_t>(std::min<std::uint64_t>(u.bytes, INT64_MAX));  // >= 0: a mismatch
     }
     r.withdrawn = u.withdrawn;
     r.done.store(true, std::memory_order_release);
@@ -536,6 +552,10 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     auto& in = in_[static_cast<std::size_t>(from)];
     const ring r = ring_of(from, local_);
     cursor c{r.control.tail.load(std::memory_order_relaxed), r.control.head.load(std::memory_order_acquire)};
+    if (c.head < c.tail || c.head - c.tail > r.capacity)
+      throw error(errc::transport, "recv", names_[static_cast<std::size_t>(local_)], names_[static_cast<std::size_t>(from)],
+                  "shared-memory ring corrupt (the producer's head is " + std::to_string(c.head) + ", the tail " +
+                      std::to_string(c.tail) + ", in a ring of " + std::to_string(r.capacity) + " bytes)");
     const std::uint64_t start = c.tail;
     for (bool more = true; more;) {
       switch (in.state) {
@@ -577,6 +597,7 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     if (c.available() < sizeof(frame)) return false;
     const auto f = r.read<frame>(c.tail);
     if (f.magic == skip_magic) {  // written together with the whole skipped stretch
+      if (c.available() < to_end) return false;  // only a corrupt producer leaves it short
       c.tail += to_end;
       return true;
     }
@@ -601,16 +622,22 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
       if (in.target->bytes == f.bytes) {
         in.sink = in.target->dst;
       } else {
-        in.target->got = static_cast<std::int64_t>(f.bytes);
+        in.target->got = static_cast<std::int64_t>(std::min<std::uint64_t>(f.bytes, INT64_MAX));
         in.sink = nullptr;
       }
       return true;
     }
     if (posted_count_[static_cast<std::size_t>(from)] == 0) return false;
+    // A by-reference message is copied aside at once, out of the sender's memory: beyond
+    // ref_aside_max it waits in the ring for its own receive instead (which checks its size), so
+    // a corrupt count cannot make this rank copy gigabytes of whatever the sender has mapped.
+    if (f.magic == ref_magic && f.bytes > ref_aside_max) return false;
+    // Its buffer grows as the bytes arrive (stream, read_by_reference), never sized from the
+    // frame alone: a corrupt count must not ask for more memory than the ring ever delivers.
     in.aside = std::make_shared<unexpected_msg>();
     in.aside->tag = f.tag;
-    in.aside->data.resize(f.bytes);
-    in.sink = in.aside->data.data();
+    in.aside->bytes = f.bytes;
+    in.sink = nullptr;
     in.unexpected.push_back(in.aside);
     return true;
   }
@@ -625,8 +652,19 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     const std::uint64_t addr = addr_word.load(std::memory_order_seq_cst);
     bool withdrawn = addr == revoked_addr;
     std::string failed;
-    if (!withdrawn && in.sink && in.f.bytes) {
-      const bool ok = read_peer(from, in.sink, addr, in.f.bytes);
+    if (!withdrawn && (in.sink || in.aside) && in.f.bytes) {
+      bool ok = true;
+      if (in.aside) {  // in pieces: an unmapped address (a corrupt count) fails before it costs memory
+        auto& d = in.aside->data;
+        constexpr std::uint64_t piece = std::uint64_t{1} << 20;
+        for (std::uint64_t at = 0; ok && at < in.f.bytes; at += piece) {
+          const std::size_t len = static_cast<std::size_t>(std::min(piece, in.f.bytes - at));
+          d.resize(static_cast<std::size_t>(at) + len);
+          ok = read_peer(from, d.data() + at, addr + at, len);
+        }
+      } else {
+        ok = read_peer(from, in.sink, addr, in.f.bytes);
+      }
       const int err = errno;
       std::atomic_thread_fence(std::memory_order_seq_cst);  // the copy is done before the check
       withdrawn = addr_word.load(std::memory_order_seq_cst) == revoked_addr;
@@ -643,7 +681,10 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   // a message at the ring's beginning if need be) is parked there; pass_parked decides if it stays.
   bool park(incoming& in, const ring& r, const cursor& c) {
     const std::size_t body = pad8(in.f.bytes);
+    // In one piece: a correct producer starts such a message at the ring's beginning rather than
+    // wrap it, but only the position says so (a wrapped one is streamed instead).
     if (!in.target || !in.sink || in.got != 0 || sizeof(frame) + body + trailer_bytes > r.capacity ||
+        r.to_end(c.tail) < body + trailer_bytes ||
         c.available() < body + trailer_bytes || r.read<std::uint64_t>(c.tail + body) != trailer_whole)
       return false;
     in.state = read_state::parked;
@@ -655,7 +696,13 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   bool stream(incoming& in, const ring& r, cursor& c) {
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(c.available(), in.f.bytes - in.got));
     if (n) {
-      if (in.sink) r.get(c.tail, in.sink + in.got, n);
+      if (in.aside) {
+        auto& d = in.aside->data;
+        d.resize(static_cast<std::size_t>(in.got) + n);
+        r.get(c.tail, d.data() + in.got, n);
+      } else if (in.sink) {
+        r.get(c.tail, in.sink + in.got, n);
+      }
       c.tail += n;
       in.got += n;
     }
