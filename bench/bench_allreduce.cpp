@@ -8,7 +8,7 @@
 // then times --iters in-place sums. Every iteration reduces a different buffer of a rotating set
 // larger than twice the last-level cache, so no iteration starts with its data in cache; the
 // time is the slowest rank's mean. All topology x codec cases of a size (and MPI_Allreduce) are
-// timed in interleaved rounds, so that a neighbour's load on a shared machine skews none of them. algbw = bytes / time, busbw = algbw * 2 (N - 1) / N (the bytes
+// timed in interleaved rounds, each round starting with the next contender, so that a neighbour's load on a shared machine skews none of them. algbw = bytes / time, busbw = algbw * 2 (N - 1) / N (the bytes
 // each rank's link carries in a bandwidth-optimal all-reduce, as nccl-tests defines it). bytes
 // are the fp32 input's, whatever the codec puts on the wire.
 //
@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <functional>
 #include <memory>
 #include <string>
@@ -56,7 +57,7 @@ struct options {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "lockstep-bench-allreduce: %s\n"
-               "usage: lockstep-bench-allreduce [--transport inproc|mpi] [--topology ring|torus2d[,..]]\n"
+               "usage: lockstep-bench-allreduce [--transport inproc|mpi] [--topology ring|torus2d|halving_doubling|recursive_doubling|automatic[,..]]\n"
                "         [--codec fp32|bf16|int8|dyntree8[,..]] [--ranks N] [--sizes 4K,1M,64M]\n"
                "         [--iters N] [--segment-bytes B] [--no-mpi-allreduce] [--json] [--check]\n",
                why);
@@ -122,7 +123,8 @@ options parse(int argc, char** argv) {
   if (o.transport.empty()) o.transport = under_mpirun() ? "mpi" : "inproc";
   if (o.transport != "inproc" && o.transport != "mpi") usage(("unknown transport " + o.transport).c_str());
   for (const auto& t : o.topologies)
-    if (t != "ring" && t != "torus2d") usage(("unknown topology " + t).c_str());
+    if (t != "ring" && t != "torus2d" && t != "halving_doubling" && t != "recursive_doubling" && t != "automatic")
+      usage(("unknown topology " + t).c_str());
   for (const auto& c : o.codecs)
     if (c != "fp32" && c != "bf16" && c != "int8" && c != "dyntree8") usage(("unknown codec " + c).c_str());
   if (o.sizes.empty())
@@ -180,13 +182,14 @@ struct row {
   int ranks;
   std::size_t bytes;
   double time_us, max_rel_err;
+  std::string choice;  // automatic: what it ran, "name/segment" (0: the group's segment)
 };
 
 void print_header(const options& o, int ranks, const std::string& transport) {
   if (o.json) return;
   std::printf("# lockstep-bench-allreduce: all_reduce (sum, in place), %d ranks, transport %s\n", ranks, transport.c_str());
   std::printf("# time: slowest rank's mean; busbw = algbw * 2(N-1)/N; max_rel_err vs fp64, relative to max |result|\n");
-  std::printf("#%13s %12s %-14s %-9s %11s %12s %12s %12s\n", "bytes", "count", "topology", "codec", "time(us)",
+  std::printf("#%13s %12s %-18s %-9s %11s %12s %12s %12s\n", "bytes", "count", "topology", "codec", "time(us)",
               "algbw(GB/s)", "busbw(GB/s)", "max_rel_err");
   std::fflush(stdout);
 }
@@ -219,10 +222,14 @@ void print_row(const options& o, const row& r, std::size_t segment) {
         "\"bytes\":%zu,\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f,\"max_rel_err\":%.3e%s}\n",
         r.topology.c_str(), r.codec.c_str(), r.transport.c_str(), r.ranks, r.bytes, r.time_us, algbw, busbw,
         r.max_rel_err,
-        r.topology == "mpi_allreduce" ? "" : (",\"segment_bytes\":" + std::to_string(segment) + extra_keys).c_str());
+        r.topology == "mpi_allreduce" ? ""
+                                      : (",\"segment_bytes\":" + std::to_string(segment) + extra_keys +
+                                         (r.choice.empty() ? "" : ",\"choice\":\"" + r.choice + "\""))
+                                            .c_str());
   } else {
-    std::printf(" %13zu %12zu %-14s %-9s %11.1f %12.3f %12.3f %12.2e\n", r.bytes, r.bytes / sizeof(float),
-                r.topology.c_str(), r.codec.c_str(), r.time_us, algbw, busbw, r.max_rel_err);
+    std::printf(" %13zu %12zu %-18s %-9s %11.1f %12.3f %12.3f %12.2e%s%s\n", r.bytes, r.bytes / sizeof(float),
+                r.topology.c_str(), r.codec.c_str(), r.time_us, algbw, busbw, r.max_rel_err, r.choice.empty() ? "" : "  ",
+                r.choice.c_str());
   }
   std::fflush(stdout);
 }
@@ -255,17 +262,43 @@ int default_iters(std::size_t bytes) {
 struct contender {
   std::string topology, codec;
   std::function<void(float*, std::size_t)> reduce;  // in place, sum
+  std::function<std::string(std::size_t)> choice;   // automatic: what it runs for n values
 };
 
-template <codec::codec C, topology::topology T, transport::transport Tr>
+template <codec::codec C, topology::topology_policy T, transport::transport Tr>
 contender lockstep_contender(group<Tr>& g, const T& topo, const std::string& topo_name) {
   return {topo_name, std::string(C{}.name()),
           [&g, topo, c = C{}](float* x, std::size_t n) mutable { all_reduce(g, std::span<float>(x, n), topo, c); }};
 }
 
+// automatic: what it chooses for n values of codec C on this group, "name" or "name/segment".
+template <codec::codec C, transport::transport Tr>
+std::function<std::string(std::size_t)> choice_of(group<Tr>& g, const topology::automatic& a) {
+  return [&g, a](std::size_t n) {
+    const auto pick = a.choose(topology::operation::all_reduce, g.size(), n, C{}, g.segment_bytes());
+    return std::string(pick.name()) + (pick.segment_bytes ? "/" + std::to_string(pick.segment_bytes) : "");
+  };
+}
+
 template <transport::transport Tr>
 std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
   std::vector<contender> out;
+  // automatic's link is measured here, once, on this group (every rank takes part).
+  std::optional<topology::automatic> autom;
+  if (std::find(o.topologies.begin(), o.topologies.end(), "automatic") != o.topologies.end()) {
+    autom = calibrate_automatic(g);
+    if (g.rank() == 0 && !o.json) {
+      // The calibration, as the command that shows the comparisons automatic makes with it.
+      std::printf("# automatic: calibrated alpha %.2f us, bandwidth %.3f GB/s, overhead %.2f us; its choices: lockstep-sim "
+                  "--explain --ranks %d --latency-us %.3f --gbit %.4f --overhead-us %.3f --segment-bytes %zu",
+                  autom->link.latency_s * 1e6, autom->link.bandwidth_Bps / 1e9, autom->link.overhead_s * 1e6, g.size(),
+                  autom->link.latency_s * 1e6, autom->link.bandwidth_Bps * 8 / 1e9, autom->link.overhead_s * 1e6,
+                  g.segment_bytes());
+      for (const auto& [name, r] : autom->rates)
+        std::printf(" --gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
+      std::printf(" --codec ... --bytes ...\n");
+    }
+  }
   for (const auto& tn : o.topologies)
     for (const auto& cn : o.codecs) {
       auto add = [&](const auto& topo) {
@@ -273,8 +306,17 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
         else if (cn == "bf16") out.push_back(lockstep_contender<codec::bf16>(g, topo, tn));
         else if (cn == "int8") out.push_back(lockstep_contender<codec::int8>(g, topo, tn));
         else out.push_back(lockstep_contender<codec::dyntree8>(g, topo, tn));
+        if constexpr (topology::per_call<std::decay_t<decltype(topo)>>) {
+          if (cn == "fp32") out.back().choice = choice_of<codec::fp32>(g, topo);
+          else if (cn == "bf16") out.back().choice = choice_of<codec::bf16>(g, topo);
+          else if (cn == "int8") out.back().choice = choice_of<codec::int8>(g, topo);
+          else out.back().choice = choice_of<codec::dyntree8>(g, topo);
+        }
       };
-      if (tn == "ring") add(topology::ring{});
+      if (tn == "automatic") add(*autom);
+      else if (tn == "ring") add(topology::ring{});
+      else if (tn == "halving_doubling") add(topology::halving_doubling{});
+      else if (tn == "recursive_doubling") add(topology::recursive_doubling{});
       else add(topology::torus2d{});
     }
   return out;
@@ -293,7 +335,8 @@ std::vector<row> measure(std::vector<contender>& cs, std::size_t bytes, int rank
   for (auto& c : cs) {
     fill(rot.at(0), n, rank);
     c.reduce(rot.at(0), n);
-    rows.push_back({c.topology, c.codec, transport_name, ranks, bytes, 0.0, sync.max(max_rel_error(rot.at(0), n, ranks))});
+    rows.push_back({c.topology, c.codec, transport_name, ranks, bytes, 0.0, sync.max(max_rel_error(rot.at(0), n, ranks)),
+                    c.choice ? c.choice(n) : std::string()});
   }
   // Sums grow by a factor N per reduction: refill (untimed) long before fp32 overflows.
   const std::size_t reuse_limit =
@@ -304,7 +347,10 @@ std::vector<row> measure(std::vector<contender>& cs, std::size_t bytes, int rank
   const int rounds = std::min(iters, 16);
   for (int r = 0; r < rounds; ++r) {
     const int batch = iters * (r + 1) / rounds - iters * r / rounds;
-    for (std::size_t i = 0; i < cs.size(); ++i) {
+    // Each round starts with the next contender: the first after the barrier runs slower on a
+    // loaded machine (4 KiB: up to 1.5x), and that penalty is shared out instead of falling on one.
+    for (std::size_t turn = 0; turn < cs.size(); ++turn) {
+      const std::size_t i = (turn + static_cast<std::size_t>(r)) % cs.size();
       std::size_t left = static_cast<std::size_t>(batch);
       while (left > 0) {
         if (cursor - filled_at >= reuse_limit) {

@@ -58,7 +58,8 @@ struct options {
   std::vector<int> ranks{4};
   std::vector<double> bytes{64.0 * 1024 * 1024};
   sim::cluster cl;
-  bool json = false, measure_gamma = false, compare = false, speedup = false;
+  bool json = false, measure_gamma = false, compare = false, speedup = false, explain = false;
+  std::map<std::string, sim::codec_rates> gamma;  // --gamma-ns CODEC:E,D,A
   std::string fit_file, against_file;
   double compute_s = 0.1, params = 60e6, overlap = 0;
   double min_compare_bytes = 4.0 * 1024 * 1024;
@@ -67,12 +68,14 @@ struct options {
 void usage() {
   std::puts(
       "usage: lockstep-sim [options]\n"
-      "  --topology LIST      ring,torus2d,halving_doubling (halving_doubling: closed form only)\n"
+      "  --topology LIST      ring,torus2d,halving_doubling,recursive_doubling (closed forms of the\n"
+      "                       last two for powers of two; otherwise their column repeats the simulation)\n"
       "  --codec LIST         fp32,bf16,int8,dyntree8; NAME+ef: under error feedback\n"
       "  --ranks LIST         group sizes, e.g. 16,64,256,1024,4096\n"
       "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
       "  --gbit G             NIC bandwidth per direction in Gbit/s (default 1)\n"
       "  --latency-us A       per-message latency alpha (default 25)\n"
+      "  --overhead-us O      core time per message posted and per message read (LogP's o; default 0)\n"
       "  --exchange-efficiency E  fraction of the bandwidth a pairwise exchange (send peer =\n"
       "                       receive peer: ring of 2, torus row/column of 2) gets, (0,1] (default 1)\n"
       "  --ranks-per-host K   ranks sharing one NIC (default 1)\n"
@@ -94,6 +97,12 @@ void usage() {
       "  --min-bytes B        --compare: the error summary covers sizes >= B (default 4M)\n"
       "  --speedup            data-parallel speedup: --params P (default 60M) --compute-ms T\n"
       "                       (default 100) --overlap F (default 0) over --ranks\n"
+      "  --explain            what topology::automatic compares for each --ranks x --bytes x --codec:\n"
+      "                       every candidate topology and segment size with its predicted time, the\n"
+      "                       choice marked (the library's own function, on --latency-us, --gbit,\n"
+      "                       --exchange-efficiency and --segment-bytes as the group's segment)\n"
+      "  --gamma-ns C:E,D,A   codec C's encode, decode, decode-add ns/value (as lockstep-bench-allreduce\n"
+      "                       prints its calibration); repeatable\n"
       "  --json               one JSON object per line");
 }
 
@@ -116,6 +125,7 @@ options parse(int argc, char** argv) {
       for (auto& s : split(next())) o.bytes.push_back(parse_size(s));
     } else if (a == "--gbit") o.cl.nic.bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--latency-us") o.cl.nic.latency_s = std::stod(next()) * 1e-6;
+    else if (a == "--overhead-us") o.cl.nic.overhead_s = std::stod(next()) * 1e-6;
     else if (a == "--exchange-efficiency") {
       o.cl.nic.exchange_efficiency = std::stod(next());
       if (!(o.cl.nic.exchange_efficiency > 0 && o.cl.nic.exchange_efficiency <= 1))
@@ -139,6 +149,15 @@ options parse(int argc, char** argv) {
     else if (a == "--against") o.against_file = next(), o.compare = true;
     else if (a == "--min-bytes") o.min_compare_bytes = parse_size(next());
     else if (a == "--speedup") o.speedup = true;
+    else if (a == "--explain") o.explain = true;
+    else if (a == "--gamma-ns") {
+      const std::string v = next();
+      const auto colon = v.find(':');
+      double e = 0, d = 0, da = 0;
+      if (colon == std::string::npos || std::sscanf(v.c_str() + colon + 1, "%lf,%lf,%lf", &e, &d, &da) != 3)
+        throw std::invalid_argument("--gamma-ns wants CODEC:ENCODE,DECODE,DECODE_ADD (ns per value), not " + v);
+      o.gamma[v.substr(0, colon)] = {e * 1e-9, d * 1e-9, da * 1e-9};
+    }
     else if (a == "--params") o.params = parse_size(next());
     else if (a == "--compute-ms") o.compute_s = std::stod(next()) * 1e-3;
     else if (a == "--overlap") o.overlap = std::stod(next());
@@ -171,10 +190,20 @@ prediction predict(const std::string& topo, const sim::codec_model& c, int size,
     sim::simulator s(cl, c);
     auto r = s.all_reduce(topology::torus2d{rows, cols}, size, n);
     p.sim_s = r.time_s, p.messages = r.messages;
-  } else if (topo == "halving_doubling") {
-    p.closed_s = sim::halving_doubling_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead).time(cl.nic, c.rates);
+  } else if (topo == "halving_doubling" || topo == "recursive_doubling") {
+    // closed forms for powers of two only (the fold has none): else the simulation alone
+    const bool pow2 = (size & (size - 1)) == 0;
+    const bool hd = topo == "halving_doubling";
+    if (pow2)
+      p.closed_s = (hd ? sim::halving_doubling_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead)
+                       : sim::recursive_doubling_terms(size, n, c, cl.segment_bytes, cl.handshake, cl.send_ahead))
+                       .time(cl.nic, c.rates);
+    sim::simulator s(cl, c);
+    auto r = hd ? s.all_reduce(topology::halving_doubling{}, size, n) : s.all_reduce(topology::recursive_doubling{}, size, n);
+    p.sim_s = r.time_s, p.messages = r.messages;
+    if (!pow2) p.closed_s = r.time_s;
   } else {
-    throw std::invalid_argument("unknown topology '" + topo + "' (ring, torus2d, halving_doubling)");
+    throw std::invalid_argument("unknown topology '" + topo + "' (ring, torus2d, halving_doubling, recursive_doubling)");
   }
   return p;
 }
@@ -313,11 +342,51 @@ int run_speedup(const options& o) {
   return 0;
 }
 
+// topology::automatic's comparison, as a call would make it.
+int run_explain(const options& o) {
+  auto models = codec_models(o, o.codecs);
+  for (auto& [name, c] : models)
+    if (o.gamma.count(name)) c.rates = o.gamma.at(name);
+  if (o.measure_gamma) print_gamma(o, models);
+  topology::automatic a;
+  a.link = o.cl.nic;
+  if (!o.json)
+    std::printf("# topology::automatic on alpha %.2f us, %.3f Gbit/s, eta %.2f, overhead %.2f us; group segment %zu bytes\n",
+                o.cl.nic.latency_s * 1e6, o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency,
+                o.cl.nic.overhead_s * 1e6, o.cl.segment_bytes);
+  for (const auto& cn : o.codecs)
+    for (int size : o.ranks)
+      for (double bytes : o.bytes) {
+        const std::size_t n = static_cast<std::size_t>(bytes) / sizeof(float);
+        const auto all = a.explain(topology::operation::all_reduce, size, n, models.at(cn), o.cl.segment_bytes);
+        // choose()'s rule: the fastest at the group's segment (the earlier on a tie), unless
+        // another segment size is faster by more than the margin
+        std::size_t best = 0, other = all.size();
+        for (std::size_t i = 0; i < all.size(); ++i) {
+          if (all[i].segment_bytes == 0 && all[i].predicted_s < all[best].predicted_s) best = i;
+          if (all[i].segment_bytes != 0 && (other == all.size() || all[i].predicted_s < all[other].predicted_s)) other = i;
+        }
+        if (other < all.size() && all[other].predicted_s < all[best].predicted_s * (1 - a.segment_margin)) best = other;
+        if (!o.json) std::printf("%-9s %5d ranks %12.0f bytes:\n", cn.c_str(), size, bytes);
+        for (std::size_t i = 0; i < all.size(); ++i) {
+          const auto& c = all[i];
+          const std::size_t seg = c.segment_bytes ? c.segment_bytes : o.cl.segment_bytes;
+          if (o.json)
+            std::printf("{\"kind\":\"explain\",\"codec\":\"%s\",\"ranks\":%d,\"bytes\":%.0f,\"topology\":\"%s\","
+                        "\"segment_bytes\":%zu,\"predicted_us\":%.3f,\"chosen\":%s}\n",
+                        cn.c_str(), size, bytes, c.name(), seg, c.predicted_s * 1e6, i == best ? "true" : "false");
+          else
+            std::printf("  %s %-18s segment %9zu  %12.1f us\n", i == best ? "*" : " ", c.name(), seg, c.predicted_s * 1e6);
+        }
+      }
+  return 0;
+}
+
 int run_predict(const options& o) {
   auto models = codec_models(o, o.codecs);
   if (o.measure_gamma) print_gamma(o, models);
   if (!o.json)
-    std::printf("%-16s %-11s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
+    std::printf("%-18s %-11s %6s %12s %12s %12s %10s %10s\n", "topology", "codec", "ranks", "bytes", "sim_us",
                 "closed_us", "busbw_GB/s", "sim_wall_s");
   for (double bytes : o.bytes)
     for (const auto& topo : o.topologies)
@@ -337,7 +406,7 @@ int run_predict(const options& o) {
                         busbw / 1e9, static_cast<unsigned long long>(p.messages), o.cl.nic.latency_s * 1e6,
                         o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency, o.cl.ranks_per_host, wall);
           else
-            std::printf("%-16s %-11s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
+            std::printf("%-18s %-11s %6d %12.0f %12s %12.1f %10.4f %10.3f\n", topo.c_str(), cn.c_str(), size, bytes,
                         p.sim_s >= 0 ? std::to_string(p.sim_s * 1e6).c_str() : "-", p.closed_s * 1e6, busbw / 1e9, wall);
         }
   return 0;
@@ -352,6 +421,7 @@ int main(int argc, char** argv) {
       run_fit(o);
       if (o.compare) return 0;
     }
+    if (o.explain) return run_explain(o);
     return o.speedup ? run_speedup(o) : run_predict(o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep-sim: %s\n", e.what());

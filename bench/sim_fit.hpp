@@ -182,8 +182,10 @@ inline double simulate(const measured_run& m, const cluster& cl) {
   const std::size_t n = m.equal_n();
   if (m.topology == "ring") return s.all_reduce(topology::ring{}, m.ranks, n).time_s;
   if (m.topology == "torus2d") return s.all_reduce(topology::torus2d{}, m.ranks, n).time_s;
+  if (m.topology == "halving_doubling") return s.all_reduce(topology::halving_doubling{}, m.ranks, n).time_s;
+  if (m.topology == "recursive_doubling") return s.all_reduce(topology::recursive_doubling{}, m.ranks, n).time_s;
   throw error(errc::invalid_argument, "bench::simulate", -1, -1,
-              "no schedule for topology '" + m.topology + "' (ring, torus2d)");
+              "no schedule for topology '" + m.topology + "' (ring, torus2d, halving_doubling, recursive_doubling)");
 }
 
 // The measurement a JSON line describes, with its codec model from `models` (by name), burst_bytes

@@ -36,16 +36,50 @@ double delta() {
   else return 0.9 / 64;  // dyntree8: the top bin [1 - 0.9/64, 1] decodes to 1
 }
 
-// Reduce-scatter hops on the longest chain: N-1 on a ring, R+C-2 on an R x C torus.
+// Reduce-scatter hops on the longest chain: N-1 on a ring, R+C-2 on an R x C torus, log2 p on
+// halving-doubling (p the largest power of two <= N) and 2 more where ranks were folded in (into
+// the neighbour, back out to the owner). Recursive doubling's all_reduce chain is log2 p exchanges,
+// the fold and the final quantisation; its reduce_scatter is halving-doubling's: the same count
+// covers both.
 inline int hops(const lockstep::topology::ring&, int n) { return n - 1; }
 inline int hops(const lockstep::topology::torus2d& t, int n) {
   auto [r, c] = t.shape(n);
   return r + c - 2;
 }
+inline int hops(const lockstep::topology::halving_doubling&, int n) {
+  const lockstep::topology::detail::fold f(n);
+  return f.steps() + (f.extra ? 2 : 0);
+}
+inline int hops(const lockstep::topology::recursive_doubling&, int n) {
+  return hops(lockstep::topology::halving_doubling{}, n);
+}
+
+// automatic runs one of its candidates: the longest chain of any.
+inline int hops(const lockstep::topology::automatic&, int n) {
+  return std::max({hops(lockstep::topology::ring{}, n), hops(lockstep::topology::torus2d{}, n),
+                   hops(lockstep::topology::halving_doubling{}, n)});
+}
+
+// Quantisations on a value's path, each erring by up to delta times M when the error is relative
+// to a block's absmax. Where the reduction is a tree (ring, torus, halving-doubling: every rank
+// but the owner sends its partial sum of a chunk once) that is its N - 1 edges and the owner's
+// final one: N. Recursive doubling quantises both ends of every exchange: E(j) = 2 E(j-1) + 2 over
+// log2 p levels, one more per folded rank and the final one, 2p - 1 + (N - p) in all.
+template <class T>
+int quantisations(const T&, int n) {
+  return n;
+}
+inline int quantisations(const lockstep::topology::recursive_doubling&, int n) {
+  const lockstep::topology::detail::fold f(n);
+  return n > 1 ? 2 * f.p - 1 + f.extra : 1;
+}
+inline int quantisations(const lockstep::topology::automatic&, int n) {
+  return std::max(n, quantisations(lockstep::topology::recursive_doubling{}, n));
+}
 
 // The factor of M for an all_reduce value (first order), from the longest chain's quantisations
-// `depth` (hops + 1: N on a ring, R+C-1 on a torus) and the group size n (every quantisation on
-// the value's path, on any topology). An error relative to a block's absmax counts all n, one
+// `depth` (hops + 1: N on a ring, R+C-1 on a torus) and n, every quantisation on the value's path
+// (quantisations(): the group size N except on recursive doubling). An error relative to a block's absmax counts all n, one
 // relative to the value itself only `depth`: the columns of a torus share the value's magnitude out
 // among them. dyntree8 is both: half a bin (0.45/64 of the absmax) anywhere, and up to 0.9/64 only
 // in the top bin, where the value is within 0.9/64 of the absmax, so the excess is relative to the

@@ -2,9 +2,9 @@
 // N-1, a prime and 4 Mi. fp32 results are exact on integer-valued inputs (nccl-tests style);
 // lossy codecs stay within the bound of docs/codecs.md against an fp64 reference:
 //   |y - exact| <= (N * delta_block + (H + 1) * delta_value) * M
-// with H the reduce-scatter hops on the longest chain (N-1 ring, R+C-2 torus), delta_block and
-// delta_value the codec's error per quantisation relative to its block's absmax and to the value
-// (tests/collective_bounds.hpp), and M = max_i sum_r |x_r[i]| (bounds every partial sum). Results must be bitwise identical on every rank and from run to run.
+// with H the reduce-scatter hops on the longest chain (N-1 ring, R+C-2 torus, log2 N halving),
+// delta_block and delta_value the codec's error per quantisation relative to its block's absmax and
+// to the value (tests/collective_bounds.hpp; recursive doubling quantises more often than N), and M = max_i sum_r |x_r[i]| (bounds every partial sum). Results must be bitwise identical on every rank and from run to run.
 //
 // The matrix runs twice: over inproc (host threads, work done at once) and over inproc_deferred
 // (every rank's work queued on a host_stream, completion by events: the path a GPU takes, run by
@@ -80,10 +80,12 @@ struct results {
 };
 
 // Checks y against the fp64 reference `ref` with the bound above, over [0, ref.size()).
+// q: the quantisations on a value's path (collective_bounds.hpp: N, more on recursive doubling).
 template <class C>
-void check_close(const std::vector<float>& y, const std::vector<double>& ref, double m, int h, int n, double scale) {
+void check_close(const std::vector<float>& y, const std::vector<double>& ref, double m, int h, int n, double scale,
+                 int q = 0) {
   REQUIRE(y.size() == ref.size());
-  const double bound = lockstep_test::error_factor<C>(h + 1, n) * m * scale *
+  const double bound = lockstep_test::error_factor<C>(h + 1, q ? q : n) * m * scale *
                            (codec::feedback_codec<C> ? 2 : 1) + n * 1e-6 * m * scale;
   for (std::size_t i = 0; i < y.size(); ++i) {
     if constexpr (exact<C>) {
@@ -113,7 +115,8 @@ void all_reduce_case(const T& topo, int n, std::size_t count, reduce_op op) {
     if (op == reduce_op::average) ref[i] = static_cast<float>(static_cast<float>(ref[i]) / static_cast<float>(n));
     m = std::max(m, a);
   }
-  check_close<C>(out.per_rank[0], ref, m, hops(topo, n), n, op == reduce_op::average ? 1.0 / n : 1.0);
+  check_close<C>(out.per_rank[0], ref, m, hops(topo, n), n, op == reduce_op::average ? 1.0 / n : 1.0,
+                 lockstep_test::quantisations(topo, n));
   for (int r = 1; r < n; ++r)  // (memcmp of no bytes may not be handed the null data() of empty vectors)
     REQUIRE((count == 0 ||
              std::memcmp(out.per_rank[0].data(), out.per_rank[static_cast<std::size_t>(r)].data(), count * sizeof(float)) == 0));
@@ -197,6 +200,12 @@ void every_op(int n) {
     f(topology::torus2d{});
     if (n == 6) f(topology::torus2d{3, 2});
     if (n == 8) f(topology::torus2d{4, 2});
+    // The latency topologies where their folds differ: a power of two, one and two folded pairs,
+    // and 7 (three); 1..3 and 9 add nothing the others do not.
+    if (n == 4 || n == 5 || n == 6 || n == 7 || n == 8) {
+      f(topology::halving_doubling{});
+      f(topology::recursive_doubling{});
+    }
   };
   for_topologies([&](const auto& topo) {
     INFO("topology " << topo.name() << ", N = " << n);

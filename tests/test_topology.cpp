@@ -34,7 +34,8 @@ std::vector<std::vector<mask>> execute(const std::vector<schedule>& s, std::vect
       auto& i = next[static_cast<std::size_t>(r)];
       while (i < s[static_cast<std::size_t>(r)].steps.size()) {
         const auto& st = s[static_cast<std::size_t>(r)].steps[i];
-        REQUIRE_FALSE(st.send.overlaps(st.recv));
+        // Only an exchange sends and receives one span (both ends send what they held before).
+        if (!topology::is_exchange(st)) REQUIRE_FALSE(st.send.overlaps(st.recv));
         if (st.send_peer >= 0 && !sent[static_cast<std::size_t>(r)]) {
           message m{st.send, {}};
           for (auto c = st.send.first; c < st.send.end(); ++c) m.data.push_back(state[static_cast<std::size_t>(r)][c]);
@@ -84,9 +85,15 @@ void check_topology(const T& topo, int n) {
   for (int r = 0; r < n; ++r) own[static_cast<std::size_t>(r)].assign(static_cast<std::size_t>(n), mask{1} << r);
   auto after_rs = execute(rs, own);
   for (int r = 0; r < n; ++r) CHECK(after_rs[static_cast<std::size_t>(r)][static_cast<std::size_t>(r)] == all);
-  auto after_ar = execute(ar, own);
+  // An all-reduce or broadcast schedule of a topology's own may cut the buffer differently
+  // (recursive doubling: one chunk).
+  const auto ar_chunks = static_cast<std::size_t>(ar[0].chunks);
+  for (const auto& x : ar) REQUIRE(x.chunks == ar_chunks);
+  std::vector<std::vector<mask>> own_ar(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) own_ar[static_cast<std::size_t>(r)].assign(ar_chunks, mask{1} << r);
+  auto after_ar = execute(ar, own_ar);
   for (int r = 0; r < n; ++r)
-    for (int c = 0; c < n; ++c) CHECK(after_ar[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)] == all);
+    for (std::size_t c = 0; c < ar_chunks; ++c) CHECK(after_ar[static_cast<std::size_t>(r)][c] == all);
   // All-gather: rank r starts with only chunk r (marked by r); everyone ends with chunk c from c.
   std::vector<std::vector<mask>> gather(static_cast<std::size_t>(n), std::vector<mask>(static_cast<std::size_t>(n), 0));
   for (int r = 0; r < n; ++r) gather[static_cast<std::size_t>(r)][static_cast<std::size_t>(r)] = mask{1} << r;
@@ -97,11 +104,12 @@ void check_topology(const T& topo, int n) {
   for (int root = 0; root < n; root += std::max(1, n / 3)) {
     std::vector<schedule> bc;
     for (int r = 0; r < n; ++r) bc.push_back(topology::broadcast_schedule(topo, root, r, n));
-    std::vector<std::vector<mask>> init(static_cast<std::size_t>(n), std::vector<mask>(static_cast<std::size_t>(n), 0));
-    init[static_cast<std::size_t>(root)].assign(static_cast<std::size_t>(n), mask{1} << root);
+    const auto bc_chunks = static_cast<std::size_t>(bc[0].chunks);
+    std::vector<std::vector<mask>> init(static_cast<std::size_t>(n), std::vector<mask>(bc_chunks, 0));
+    init[static_cast<std::size_t>(root)].assign(bc_chunks, mask{1} << root);
     auto after = execute(bc, init);
     for (int r = 0; r < n; ++r)
-      for (int c = 0; c < n; ++c) CHECK(after[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)] == mask{1} << root);
+      for (std::size_t c = 0; c < bc_chunks; ++c) CHECK(after[static_cast<std::size_t>(r)][c] == mask{1} << root);
   }
 }
 
@@ -126,6 +134,58 @@ TEST_CASE("torus2d: every contribution exactly once for every factorisation of N
       // The latency term: 2(R + C - 2) steps instead of the ring's 2(N - 1).
       CHECK(topology::all_reduce_schedule(t, 0, n).steps.size() == static_cast<std::size_t>(2 * (r + c - 2)));
     }
+}
+
+// log2 of the largest power of two <= n, and whether ranks were folded in.
+int log2_floor(int n) {
+  int k = 0;
+  while ((2 << k) <= n) ++k;
+  return k;
+}
+
+TEST_CASE("halving_doubling: every contribution exactly once for N = 1..64", "[topology][halving_doubling]") {
+  for (int n = 1; n <= 64; ++n) {
+    INFO("N = " << n);
+    check_topology(topology::halving_doubling{}, n);
+    // 2 log2 N steps on a power of two; a folded pair's odd rank takes 3 more per phase.
+    const int k = log2_floor(n), p = 1 << k;
+    for (int r = 0; r < n; ++r) {
+      const auto steps = topology::all_reduce_schedule(topology::halving_doubling{}, r, n).steps.size();
+      if (n == p) CHECK(steps == static_cast<std::size_t>(2 * k));
+      else CHECK(steps <= static_cast<std::size_t>(2 * k + 6));
+    }
+  }
+}
+
+TEST_CASE("recursive_doubling: every contribution exactly once for N = 1..64", "[topology][recursive_doubling]") {
+  for (int n = 1; n <= 64; ++n) {
+    INFO("N = " << n);
+    check_topology(topology::recursive_doubling{}, n);
+    const int k = log2_floor(n), p = 1 << k;
+    for (int r = 0; r < n; ++r) {
+      const auto ar = topology::all_reduce_schedule(topology::recursive_doubling{}, r, n);
+      // log2 N exchanges of the whole buffer; a folded pair adds one step before and one after.
+      CHECK(ar.steps.size() == static_cast<std::size_t>(k + (r < 2 * (n - p) ? (r % 2 ? 2 : 2 - k) : 0)));
+      // Binomial broadcast: no rank takes more than ceil(log2 N) steps.
+      const auto bc = topology::broadcast_schedule(topology::recursive_doubling{}, 0, r, n);
+      CHECK(bc.steps.size() <= static_cast<std::size_t>(k + (n != p)));
+    }
+  }
+}
+
+TEST_CASE("halving_doubling and recursive_doubling print as readable steps", "[topology]") {
+  const std::string hd = topology::all_reduce_schedule(topology::halving_doubling{}, 1, 4).str();
+  CHECK_THAT(hd, Catch::Contains("rank 1 of 4, 4 chunks, owns chunk 1"));
+  CHECK_THAT(hd, Catch::Contains("0 [rs] send chunks 2..3 -> 3; recv chunks 0..1 <- 3 (reduce)"));
+  CHECK_THAT(hd, Catch::Contains("1 [rs] send chunk 0 -> 0; recv chunk 1 <- 0 (reduce)"));
+  CHECK_THAT(hd, Catch::Contains("3 [ag] send chunks 0..1 -> 3; recv chunks 2..3 <- 3 (copy)"));
+  const std::string rd = topology::all_reduce_schedule(topology::recursive_doubling{}, 2, 3).str();
+  CHECK_THAT(rd, Catch::Contains("rank 2 of 3, 1 chunks, owns chunk 0"));
+  CHECK_THAT(rd, Catch::Contains("0 [rs] exchange chunk 0 <-> 1 (reduce)"));
+  const std::string folded = topology::all_reduce_schedule(topology::recursive_doubling{}, 0, 3).str();
+  CHECK_THAT(folded, Catch::Contains("owns nothing"));
+  CHECK_THAT(folded, Catch::Contains("1 [ag] recv chunk 0 <- 1 (copy)"));
+  static_assert(topology::topology<topology::halving_doubling> && topology::topology<topology::recursive_doubling>);
 }
 
 TEST_CASE("torus2d picks the most square shape and rejects a wrong one", "[topology][torus2d]") {

@@ -5,6 +5,7 @@
 #include "collective.hpp"
 #include "core/config.hpp"
 #include "core/error.hpp"
+#include "parallel.hpp"
 #include "topology.hpp"
 #include "transport/concept.hpp"
 #include "transport/inproc.hpp"

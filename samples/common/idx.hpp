@@ -22,12 +22,9 @@
 #include <string>
 #include <vector>
 
-namespace sample {
+#include "data_error.hpp"
 
-// The one exception of the data loader; what() reads "<file>: <what is wrong>".
-struct data_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+namespace sample {
 
 // One decoded IDX file: dims as in the header, data row-major.
 struct idx_array {

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "../common/flags.hpp"
 #include "trainer.hpp"
 
 namespace fashion {
@@ -34,6 +35,7 @@ inline void usage(const char* program, const options& d) {
       "  --channels A,B,C      channels of the three conv blocks (default %d,%d,%d)\n"
       "  --label-smoothing E   target (1-E) on the label and E/10 spread over all classes (default %g)\n"
       "  --bn-group G          batch-norm statistics over G consecutive replicas; 1 = local (default %d)\n"
+      "  --fc H1,H2            AlexNet-like head: features -> FC H1 -> FC H2 -> classifier, ReLU between (CPU)\n"
       "\n"
       "data parallelism\n"
       "  --ranks N             replicas as threads of this process (default %d); under mpirun: the job size\n"
@@ -43,6 +45,13 @@ inline void usage(const char* program, const options& d) {
       "  --codec C             gradients on the wire: fp32 | bf16 | int8 | dyntree8 (default %s)\n"
       "  --codec-block N       elements per absmax scale of int8 and dyntree8 (default %zu)\n"
       "  --error-feedback      keep each rank's quantisation residual and add it to the next step's gradient\n"
+      "\n"
+      "hybrid parallelism (Krizhevsky 2014; CPU, --fc, sgd)\n"
+      "  --parallel P          data | hybrid-a (gather all rows) | hybrid-b (rank by rank) | hybrid-c (1/K of\n"
+      "                        every rank's rows per round): fc1 and fc2 split over the ranks, activations\n"
+      "                        travel instead of their weights (default data)\n"
+      "  --activation-codec C  activations and their gradients on the wire: fp32 | bf16 | int8 | dyntree8\n"
+      "                        (default fp32)\n"
       "\n"
       "optimizer and schedule (linear warmup from 0, then polynomial decay to --end-lr)\n"
       "  --optimizer O         sgd (momentum, torch form) | lars (trust ratio per tensor) (default %s)\n"
@@ -62,30 +71,16 @@ inline void usage(const char* program, const options& d) {
       static_cast<unsigned long long>(d.seed));
 }
 
-[[noreturn]] inline void die(const char* program, const std::string& msg) {
-  std::fprintf(stderr, "%s: %s (see --help)\n", program, msg.c_str());
-  std::exit(2);
-}
+using sample::die;
 
 inline options parse_flags(int argc, char** argv) {
-  const char* program = argv[0] ? std::strrchr(argv[0], '/') : nullptr;
-  program = program ? program + 1 : (argv[0] ? argv[0] : "lockstep-train-fashion");
+  sample::flag_parser p(argc, argv, "lockstep-train-fashion");
   options o;
-  auto die = [&](const std::string& msg) { fashion::die(program, msg); };
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) die(a + " needs a value");
-      return argv[++i];
-    };
-    auto number = [&]() -> double {
-      const std::string v = value();
-      char* end = nullptr;
-      const double x = std::strtod(v.c_str(), &end);
-      if (v.empty() || *end) die(a + ": '" + v + "' is not a number");
-      return x;
-    };
-    if (a == "--help" || a == "-h") usage(program, o), std::exit(0);
+  auto number = [&] { return p.number(); };
+  auto value = [&] { return p.value(); };
+  while (p.next()) {
+    const std::string& a = p.flag();
+    if (a == "--help" || a == "-h") usage(p.program(), o), std::exit(0);
     else if (a == "--data") o.data = value();
     else if (a == "--out") o.out = value();
     else if (a == "--resume") o.resume = true;
@@ -98,8 +93,15 @@ inline options parse_flags(int argc, char** argv) {
       const std::string v = value();
       if (std::sscanf(v.c_str(), "%d,%d,%d", &o.channels[0], &o.channels[1], &o.channels[2]) != 3 ||
           o.channels[0] < 1 || o.channels[1] < 1 || o.channels[2] < 1)
-        die("--channels wants three positive numbers A,B,C, got '" + v + "'");
+        p.fail("--channels wants three positive numbers A,B,C, got '" + v + "'");
     }
+    else if (a == "--fc") {
+      const std::string v = value();
+      if (std::sscanf(v.c_str(), "%d,%d", &o.fc[0], &o.fc[1]) != 2 || o.fc[0] < 1 || o.fc[1] < 1)
+        p.fail("--fc wants two positive widths H1,H2, got '" + v + "'");
+    }
+    else if (a == "--parallel") o.parallel = value();
+    else if (a == "--activation-codec") o.activation_codec = value();
     else if (a == "--label-smoothing") o.label_smoothing = static_cast<float>(number());
     else if (a == "--bn-group") o.bn_group = static_cast<int>(number());
     else if (a == "--ranks") o.ranks = static_cast<int>(number());
@@ -119,7 +121,7 @@ inline options parse_flags(int argc, char** argv) {
     else if (a == "--lars-trust") o.lars_trust = static_cast<float>(number());
     else if (a == "--epochs") o.epochs = static_cast<int>(number());
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
-    else die("unknown flag '" + a + "'");
+    else p.unknown();
   }
   return o;
 }

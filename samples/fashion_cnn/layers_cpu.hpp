@@ -28,32 +28,22 @@
 #include <stdexcept>
 #include <vector>
 
+#include "../common/layers_dnnl.hpp"
+#include "../common/softmax_xent.hpp"
 #include "layers_math.hpp"
 
 namespace fashion {
 
 // ----------------------------------------------------------------------------------------------
-// oneDNN plumbing: one engine and stream per thread, primitives cached by shape.
+// oneDNN plumbing (one engine and stream per thread, memory descriptors): samples/common/layers_dnnl.hpp.
 
-struct dnnl_context {
-  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
-  dnnl::stream stream{engine};
-};
-inline dnnl_context& dnnl_ctx() {
-  thread_local dnnl_context c;
-  return c;
-}
-
-using shape_key = std::array<int, 6>;
-using dims = dnnl::memory::dims;
-using tag = dnnl::memory::format_tag;
-constexpr auto f32 = dnnl::memory::data_type::f32;
-
-inline dnnl::memory::desc md(const dims& d, tag t) { return dnnl::memory::desc(d, f32, t); }
-inline dnnl::memory mem(const dnnl::memory::desc& d, const void* p) {
-  // oneDNN takes a non-const handle for inputs too; it never writes through an input argument.
-  return dnnl::memory(d, dnnl_ctx().engine, const_cast<void*>(p));
-}
+using sample::dims;
+using sample::dnnl_ctx;
+using sample::f32;
+using sample::md;
+using sample::mem;
+using sample::shape_key;
+using sample::tag;
 
 // ----------------------------------------------------------------------------------------------
 // conv3x3: out = conv(inp, weight), stride 1, padding 1, no bias (batch norm follows).
@@ -158,68 +148,10 @@ inline void maxpool_backward(float* dinp,            // (B, C, H, W), overwritte
 }
 
 // ----------------------------------------------------------------------------------------------
-// linear: out = inp weight^T + bias.
+// linear: out = inp weight^T + bias (samples/common/layers_dnnl.hpp, shared with ResNet-50).
 
-struct linear_prims {
-  dnnl::inner_product_forward fwd;
-  dnnl::inner_product_backward_data bwd_data;
-  dnnl::inner_product_backward_weights bwd_weights;
-  dnnl::memory::desc src, wei, bias, dst;
-};
-
-inline linear_prims& linear_lookup(int B, int F, int NC) {
-  thread_local std::map<shape_key, linear_prims> cache;
-  const shape_key key{B, F, NC, 0, 0, 0};
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  auto& eng = dnnl_ctx().engine;
-  using namespace dnnl;
-  linear_prims p;
-  p.src = md({B, F}, tag::nc);
-  p.wei = md({NC, F}, tag::oi);
-  p.bias = md({NC}, tag::x);
-  p.dst = md({B, NC}, tag::nc);
-  inner_product_forward::desc fd(prop_kind::forward_training, p.src, p.wei, p.bias, p.dst);
-  inner_product_forward::primitive_desc fpd(fd, eng);
-  p.fwd = inner_product_forward(fpd);
-  inner_product_backward_data::desc bd(p.src, p.wei, p.dst);
-  p.bwd_data = inner_product_backward_data(inner_product_backward_data::primitive_desc(bd, eng, fpd));
-  inner_product_backward_weights::desc bw(p.src, p.wei, p.bias, p.dst);
-  p.bwd_weights = inner_product_backward_weights(inner_product_backward_weights::primitive_desc(bw, eng, fpd));
-  return cache.emplace(key, std::move(p)).first->second;
-}
-
-inline void linear_forward(float* out,           // (B, NC)
-                           const float* inp,     // (B, F)
-                           const float* weight,  // (NC, F)
-                           const float* bias,    // (NC)
-                           int B, int F, int NC) {
-  auto& p = linear_lookup(B, F, NC);
-  p.fwd.execute(dnnl_ctx().stream, {{DNNL_ARG_SRC, mem(p.src, inp)},
-                                    {DNNL_ARG_WEIGHTS, mem(p.wei, weight)},
-                                    {DNNL_ARG_BIAS, mem(p.bias, bias)},
-                                    {DNNL_ARG_DST, mem(p.dst, out)}});
-  dnnl_ctx().stream.wait();
-}
-
-inline void linear_backward(float* dinp,          // (B, F), overwritten
-                            float* dweight,       // (NC, F), overwritten
-                            float* dbias,         // (NC), overwritten
-                            const float* dout,    // (B, NC)
-                            const float* inp,     // (B, F)
-                            const float* weight,  // (NC, F)
-                            int B, int F, int NC) {
-  auto& p = linear_lookup(B, F, NC);
-  auto& s = dnnl_ctx().stream;
-  p.bwd_weights.execute(s, {{DNNL_ARG_SRC, mem(p.src, inp)},
-                            {DNNL_ARG_DIFF_DST, mem(p.dst, dout)},
-                            {DNNL_ARG_DIFF_WEIGHTS, mem(p.wei, dweight)},
-                            {DNNL_ARG_DIFF_BIAS, mem(p.bias, dbias)}});
-  p.bwd_data.execute(s, {{DNNL_ARG_DIFF_DST, mem(p.dst, dout)},
-                         {DNNL_ARG_WEIGHTS, mem(p.wei, weight)},
-                         {DNNL_ARG_DIFF_SRC, mem(p.src, dinp)}});
-  s.wait();
-}
+using sample::linear_backward;
+using sample::linear_forward;
 
 // ----------------------------------------------------------------------------------------------
 // batchnorm_relu: out = max(0, gamma (x - mean) rstd + beta), statistics over the batch of a group
@@ -347,32 +279,9 @@ inline void batchnorm_relu_backward(float* dinp,         // (B, K, HW), overwrit
 }
 
 // ----------------------------------------------------------------------------------------------
-// softmax_cross_entropy: mean over the batch of -sum_c q_c log p_c, p = softmax(logits),
-// q = (1 - smoothing) onehot(label) + smoothing / NC (label smoothing, Szegedy et al. 2016).
+// softmax cross-entropy with label smoothing (samples/common/softmax_xent.hpp).
 
-inline float softmax_xent_forward(float* probs,         // (B, NC)
-                                  int* correct,         // (1): argmax hits, or null
-                                  const float* logits,  // (B, NC)
-                                  const int* labels,    // (B)
-                                  int B, int NC, float smoothing) {
-  double total = 0;
-  int hits = 0;
-  for (int b = 0; b < B; ++b) {
-    int argmax;
-    total += xent_row(probs + b * NC, &argmax, logits + b * NC, labels[b], NC, smoothing);
-    hits += argmax == labels[b];
-  }
-  if (correct) *correct = hits;
-  return static_cast<float>(total / B);
-}
-
-inline void softmax_xent_backward(float* dlogits,      // (B, NC), overwritten
-                                  const float* probs,  // (B, NC) from forward
-                                  const int* labels,   // (B)
-                                  int B, int NC, float smoothing) {
-  const float scale = 1.0f / B;  // the loss is a mean over this replica's batch
-  for (int b = 0; b < B; ++b)
-    for (int c = 0; c < NC; ++c) dlogits[b * NC + c] = xent_grad(probs[b * NC + c], c, labels[b], NC, smoothing, scale);
-}
+using sample::softmax_xent_backward;
+using sample::softmax_xent_forward;
 
 }  // namespace fashion

@@ -9,8 +9,12 @@
 // backward has written it, while backward goes on with the blocks before it.
 // Limits: CPU (layers_cpu.hpp); one batch size at a time per model object (re-allocated on change).
 //
+// With --fc H1,H2 the classifier is preceded by two hidden FC layers with ReLU (head_cpu.hpp):
+//   ... block2 -> (B,F) -> fc1 -> (B,H1) -> fc2 -> (B,H2) -> linear -> (B,10)
+// (hybrid runs split fc1 and fc2 over the replicas instead: head_hybrid.hpp, replica_hybrid.hpp).
+//
 // Shape legend: B batch of this replica, Ci channels of block i, Si side of block i's input
-// (28, 14, 7), F = c2 * 4 * 4 features into the classifier, NC = 10 classes.
+// (28, 14, 7), F = c2 * 4 * 4 features out of the blocks, H1, H2 hidden widths, NC = 10 classes.
 #pragma once
 
 #include <array>
@@ -21,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "head_cpu.hpp"
 #include "layers_cpu.hpp"
 #include "model_layout.hpp"
 
@@ -38,6 +43,8 @@ struct model {
   // Pointers into params / grads by tensor, in layout order.
   std::array<float*, nblocks> conv_w, bn_gamma, bn_beta, d_conv_w, d_bn_gamma, d_bn_beta;
   float *fc_w, *fc_b, *d_fc_w, *d_fc_b;
+  float *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr, *fc2_b = nullptr;  // the head (--fc)
+  float *d_fc1_w = nullptr, *d_fc1_b = nullptr, *d_fc2_w = nullptr, *d_fc2_b = nullptr;
   std::array<float*, nblocks> run_mean, run_var;
 
   // Activations, sized for batch B.
@@ -54,9 +61,20 @@ struct model {
   // Gradient scratch for activations, the largest size any block needs, two so that one block's
   // output gradient and input gradient can coexist.
   std::vector<float> dact_a, dact_b;
+  // The head's activations (after ReLU) and gradients: (B, H1), (B, H2); the features' gradient (B, F).
+  std::vector<float> h1, h2, d_h1, d_h2, d_features;
 };
 
-inline void model_bind(model& m) { bind_tensors(m, m.params.data(), m.grads.data(), m.running.data()); }
+inline void model_bind(model& m) {
+  bind_tensors(m, m.params.data(), m.grads.data(), m.running.data());
+  if (m.cfg.has_head()) {
+    auto at = [&](const char* name, float* base) { return base + tensor_named(m.L, name).offset; };
+    m.fc1_w = at("fc1.w", m.params.data()), m.d_fc1_w = at("fc1.w", m.grads.data());
+    m.fc1_b = at("fc1.b", m.params.data()), m.d_fc1_b = at("fc1.b", m.grads.data());
+    m.fc2_w = at("fc2.w", m.params.data()), m.d_fc2_w = at("fc2.w", m.grads.data());
+    m.fc2_b = at("fc2.b", m.params.data()), m.d_fc2_b = at("fc2.b", m.grads.data());
+  }
+}
 
 // A model with freshly initialised parameters (initial_parameters, model_layout.hpp).
 inline model model_create(const config& cfg, std::uint64_t seed) {
@@ -92,13 +110,18 @@ inline void model_resize(model& m, int B) {
   m.labels.assign(static_cast<std::size_t>(B), 0);
   m.dact_a.assign(biggest, 0.0f);
   m.dact_b.assign(biggest, 0.0f);
+  if (m.cfg.has_head()) {
+    const auto b = static_cast<std::size_t>(B);
+    m.h1.assign(b * m.cfg.fc[0], 0.0f), m.d_h1.assign(m.h1.size(), 0.0f);
+    m.h2.assign(b * m.cfg.fc[1], 0.0f), m.d_h2.assign(m.h2.size(), 0.0f);
+    m.d_features.assign(b * m.L.features, 0.0f);
+  }
 }
 
-// Forward pass over B images; returns the mean loss of this replica's batch and counts correct
-// predictions. training: batch statistics over `group` (and running statistics updated);
-// otherwise the running statistics, and `group` is not used.
-inline float model_forward(model& m, const float* images, const int* labels, int B, const bn_group& group,
-                           bool training, int* correct = nullptr) {
+// The conv blocks, forward, over B images: returns the features (B, F). training: batch
+// statistics over `group` (and running statistics updated); otherwise the running statistics.
+inline const float* model_forward_features(model& m, const float* images, const int* labels, int B, const bn_group& group,
+                                           bool training) {
   model_resize(m, B);
   std::copy(images, images + m.input.size(), m.input.begin());
   std::copy(labels, labels + B, m.labels.begin());
@@ -114,23 +137,41 @@ inline float model_forward(model& m, const float* images, const int* labels, int
     x = m.pool_out[i].data();
     C = K;
   }
-  linear_forward(m.logits.data(), x, m.fc_w, m.fc_b, B, m.L.features, m.cfg.classes);
-  return softmax_xent_forward(m.probs.data(), correct, m.logits.data(), m.labels.data(), B, m.cfg.classes,
+  return x;
+}
+
+// The loss of the logits in m.logits: the mean over this replica's batch; counts correct predictions.
+inline float model_loss(model& m, bool training, int* correct = nullptr) {
+  return softmax_xent_forward(m.probs.data(), correct, m.logits.data(), m.labels.data(), m.B, m.cfg.classes,
                               training ? m.cfg.label_smoothing : 0.0f);
 }
 
-// Backward pass of the last training forward: writes every gradient of m.grads (the gradient of
-// this replica's mean loss) and calls bucket_ready(b) as soon as bucket b is final, the classifier
-// first and block 0 last.
-inline void model_backward(model& m, const bn_group& group, const std::function<void(int)>& bucket_ready = {}) {
+// Forward pass over B images; returns the mean loss of this replica's batch and counts correct
+// predictions. training: batch statistics over `group` (and running statistics updated);
+// otherwise the running statistics, and `group` is not used.
+inline float model_forward(model& m, const float* images, const int* labels, int B, const bn_group& group,
+                           bool training, int* correct = nullptr) {
+  const float* x = model_forward_features(m, images, labels, B, group, training);
+  if (m.cfg.has_head()) {
+    const auto b = static_cast<std::size_t>(B), F = static_cast<std::size_t>(m.L.features);
+    const auto H1 = static_cast<std::size_t>(m.cfg.fc[0]), H2 = static_cast<std::size_t>(m.cfg.fc[1]);
+    fc_relu_forward(m.h1.data(), x, m.fc1_w, m.fc1_b, b, F, H1);
+    fc_relu_forward(m.h2.data(), m.h1.data(), m.fc2_w, m.fc2_b, b, H1, H2);
+    x = m.h2.data();
+  }
+  linear_forward(m.logits.data(), x, m.fc_w, m.fc_b, B, m.L.classifier_in, m.cfg.classes);
+  return model_loss(m, training, correct);
+}
+
+// The conv blocks, backward, from the features' gradient `dfeatures` (B, F); calls
+// bucket_ready(i) as soon as block i's gradients are final, block 0 last.
+inline void model_backward_features(model& m, const float* dfeatures, const bn_group& group,
+                                    const std::function<void(int)>& bucket_ready = {}) {
   const int B = m.B;
   float* dout = m.dact_a.data();  // gradient of the current layer's output
   float* dinp = m.dact_b.data();  // gradient of its input
-  softmax_xent_backward(dout, m.probs.data(), m.labels.data(), B, m.cfg.classes, m.cfg.label_smoothing);
-  linear_backward(dinp, m.d_fc_w, m.d_fc_b, dout, m.pool_out[nblocks - 1].data(), m.fc_w, B, m.L.features,
-                  m.cfg.classes);
-  if (bucket_ready) bucket_ready(nblocks);
-  std::swap(dout, dinp);
+  if (dfeatures == dinp) std::swap(dout, dinp);  // already in the scratch (the classifier's backward)
+  else if (dfeatures != dout) std::copy(dfeatures, dfeatures + static_cast<std::size_t>(B) * m.L.features, dout);
   for (int i = nblocks - 1; i >= 0; --i) {
     const int K = m.cfg.channels[i], S = m.L.side_in[i], C = i ? m.cfg.channels[i - 1] : 1;
     maxpool_backward(dinp, dout, m.pool_ws[i].data(), B, K, S, S);
@@ -143,6 +184,36 @@ inline void model_backward(model& m, const bn_group& group, const std::function<
     if (bucket_ready) bucket_ready(i);
     std::swap(dout, dinp);
   }
+}
+
+// Backward pass of the last training forward: writes every gradient of m.grads (the gradient of
+// this replica's mean loss) and calls bucket_ready(b) as soon as bucket b is final, the classifier
+// first and block 0 last (with the head: the head bucket, fc2, fc1, then the blocks; a bucket is
+// reported only once backward no longer reads its weights, since its update may start at once).
+inline void model_backward(model& m, const bn_group& group, const std::function<void(int)>& bucket_ready = {}) {
+  const int B = m.B;
+  float* dout = m.dact_a.data();
+  softmax_xent_backward(dout, m.probs.data(), m.labels.data(), B, m.cfg.classes, m.cfg.label_smoothing);
+  if (!m.cfg.has_head()) {
+    float* dinp = m.dact_b.data();
+    linear_backward(dinp, m.d_fc_w, m.d_fc_b, dout, m.pool_out[nblocks - 1].data(), m.fc_w, B, m.L.features,
+                    m.cfg.classes);
+    if (bucket_ready) bucket_ready(nblocks);
+    model_backward_features(m, dinp, group, bucket_ready);
+    return;
+  }
+  const auto b = static_cast<std::size_t>(B), F = static_cast<std::size_t>(m.L.features);
+  const auto H1 = static_cast<std::size_t>(m.cfg.fc[0]), H2 = static_cast<std::size_t>(m.cfg.fc[1]);
+  linear_backward(m.d_h2.data(), m.d_fc_w, m.d_fc_b, dout, m.h2.data(), m.fc_w, B, m.L.classifier_in, m.cfg.classes);
+  bias_relu_backward(m.d_h2.data(), m.d_fc2_b, m.h2.data(), b, H2);
+  if (bucket_ready) bucket_ready(nblocks);  // fc2.b, fc.w, fc.b
+  sgemm({true, false, H1, H2, b, m.h1.data(), H1, m.d_h2.data(), H2, 0.0f, m.d_fc2_w, H2});
+  sgemm({false, true, b, H1, H2, m.d_h2.data(), H2, m.fc2_w, H2, 0.0f, m.d_h1.data(), H1});
+  if (bucket_ready) bucket_ready(nblocks + 2);  // fc2.w
+  fc_relu_backward(m.d_features.data(), m.d_fc1_w, m.d_fc1_b, m.d_h1.data(), m.pool_out[nblocks - 1].data(), m.h1.data(),
+                   m.fc1_w, b, F, H1);
+  if (bucket_ready) bucket_ready(nblocks + 1);  // fc1.w, fc1.b
+  model_backward_features(m, m.d_features.data(), group, bucket_ready);
 }
 
 }  // namespace fashion

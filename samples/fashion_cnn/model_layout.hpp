@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,8 @@ struct config {
   int classes = 10;
   float label_smoothing = 0.0f;
   float bn_momentum = 0.1f;
+  std::array<int, 2> fc{0, 0};  // hidden FC widths (--fc H1,H2), 0,0: the linear classifier alone
+  bool has_head() const { return fc[0] > 0; }
 };
 
 // One named tensor of the flat parameter block. `plain` marks batch-norm scales/shifts and biases:
@@ -36,12 +39,21 @@ struct tensor_info {
 // The parameter layout: block i holds conv_w[i] (Ci, Ci-1, 3, 3), bn_gamma[i] (Ci), bn_beta[i]
 // (Ci); the classifier holds fc_w (NC, F), fc_b (NC). Buckets are [first, last) element ranges,
 // one per block plus one for the classifier, in layout order.
+// With the AlexNet-like head (--fc H1,H2: F -> H1 -> H2 -> NC, ReLU after each hidden layer) the
+// classifier reads H2 features and the layout goes on, after the blocks:
+//   fc2_b (H2), fc_w (NC, H2), fc_b (NC)        | the head bucket (data-parallel in every mode)
+//   fc1_w (F, H1), fc1_b (H1)                   | the fc1 bucket   (model-parallel in hybrid runs:
+//   fc2_w (H1, H2)                              | the fc2 bucket    rank k owns a slice of each)
+// fc1_w and fc2_w are stored in x out (X · W), so rank k's rows of fc2_w are contiguous; the
+// tensors hybrid runs split come last, after everything every rank updates alike (dp_end).
 struct layout {
   std::vector<tensor_info> tensors;
   std::vector<std::pair<std::size_t, std::size_t>> buckets;
   std::size_t total = 0;
   int side_in[nblocks + 1];  // side of block i's input; side_in[nblocks] is the classifier's
   int features;              // F
+  int classifier_in;         // F, or H2 with the head
+  std::size_t dp_end = 0;    // elements [0, dp_end) are never split (the whole block without a head)
 };
 
 inline layout make_layout(const config& cfg) {
@@ -64,11 +76,32 @@ inline layout make_layout(const config& cfg) {
   }
   L.side_in[nblocks] = S;
   L.features = C * S * S;
+  L.classifier_in = cfg.has_head() ? cfg.fc[1] : L.features;
   const std::size_t first = L.total;
-  add("fc.w", static_cast<std::size_t>(cfg.classes) * L.features, false);
+  if (cfg.has_head()) add("fc2.b", static_cast<std::size_t>(cfg.fc[1]), true);
+  add("fc.w", static_cast<std::size_t>(cfg.classes) * L.classifier_in, false);
   add("fc.b", static_cast<std::size_t>(cfg.classes), true);
   L.buckets.push_back({first, L.total});
+  L.dp_end = L.total;
+  if (cfg.has_head()) {
+    const auto F = static_cast<std::size_t>(L.features), H1 = static_cast<std::size_t>(cfg.fc[0]),
+               H2 = static_cast<std::size_t>(cfg.fc[1]);
+    std::size_t at = L.total;
+    add("fc1.w", F * H1, false);
+    add("fc1.b", H1, true);
+    L.buckets.push_back({at, L.total});
+    at = L.total;
+    add("fc2.w", H1 * H2, false);
+    L.buckets.push_back({at, L.total});
+  }
   return L;
+}
+
+// The head's tensors, by name (tensor_info indices after the blocks).
+inline const tensor_info& tensor_named(const layout& L, const std::string& name) {
+  for (const auto& t : L.tensors)
+    if (t.name == name) return t;
+  throw std::invalid_argument("no tensor " + name + " in this model");
 }
 
 // Points a model's per-tensor pointers (either backend's model) into its flat parameter block p,
@@ -81,6 +114,7 @@ void bind_tensors(M& m, float* p, float* g, float* r) {
     m.bn_gamma[i] = p + m.L.tensors[t].offset, m.d_bn_gamma[i] = g + m.L.tensors[t].offset, ++t;
     m.bn_beta[i] = p + m.L.tensors[t].offset, m.d_bn_beta[i] = g + m.L.tensors[t].offset, ++t;
   }
+  if (m.cfg.has_head()) ++t;  // fc2.b: bound by bind_head
   m.fc_w = p + m.L.tensors[t].offset, m.d_fc_w = g + m.L.tensors[t].offset, ++t;
   m.fc_b = p + m.L.tensors[t].offset, m.d_fc_b = g + m.L.tensors[t].offset;
   for (int i = 0; i < nblocks; ++i) {
@@ -116,11 +150,23 @@ inline void initial_parameters(const config& cfg, const layout& L, std::uint64_t
     t += 3, run += 2 * static_cast<std::size_t>(K);
     C = K;
   }
-  const float bound = 1.0f / std::sqrt(static_cast<float>(L.features));
+  if (cfg.has_head()) ++t;  // fc2.b: drawn with fc2.w below
+  const float bound = 1.0f / std::sqrt(static_cast<float>(L.classifier_in));
   float* fc_w = params.data() + L.tensors[t].offset;
   float* fc_b = params.data() + L.tensors[t + 1].offset;
-  for (int j = 0; j < cfg.classes * L.features; ++j) fc_w[j] = bound * (2.0f * r.uniform() - 1.0f);
+  for (int j = 0; j < cfg.classes * L.classifier_in; ++j) fc_w[j] = bound * (2.0f * r.uniform() - 1.0f);
   for (int c = 0; c < cfg.classes; ++c) fc_b[c] = bound * (2.0f * r.uniform() - 1.0f);
+  if (cfg.has_head()) {  // uniform in +-1/sqrt(fan-in), torch's default, as the classifier
+    auto fill = [&](const std::string& name, int fan_in) {
+      const tensor_info& ti = tensor_named(L, name);
+      const float b = 1.0f / std::sqrt(static_cast<float>(fan_in));
+      for (std::size_t j = 0; j < ti.size; ++j) params[ti.offset + j] = b * (2.0f * r.uniform() - 1.0f);
+    };
+    fill("fc1.w", L.features);
+    fill("fc1.b", L.features);
+    fill("fc2.w", cfg.fc[0]);
+    fill("fc2.b", cfg.fc[0]);
+  }
 }
 
 }  // namespace fashion

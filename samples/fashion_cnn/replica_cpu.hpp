@@ -23,6 +23,7 @@
 #include <lockstep/optim/step.hpp>
 
 #include "model.hpp"
+#include "replica_hybrid.hpp"
 #include "trainer.hpp"
 
 namespace fashion {
@@ -108,9 +109,14 @@ class cpu_replica {
 template <class Group>
 void train_dispatch(Group& world, const options& o, const shared_data& data, run_result& result) {
   with_policies(o, [&](auto topo, auto& codec, auto opt) {
-    cpu_replica<Group, decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(world, o, topo,
-                                                                                                  codec, opt);
-    train_replica(world, o, data, rep, result);
+    using C = std::remove_reference_t<decltype(codec)>;
+    if (o.parallel == "data") {
+      cpu_replica<Group, decltype(topo), C, decltype(opt)> rep(world, o, topo, codec, opt);
+      train_replica(world, o, data, rep, result);
+    } else {
+      hybrid_replica<Group, decltype(topo), C, decltype(opt)> rep(world, o, topo, codec, opt);
+      train_replica(world, o, data, rep, result);
+    }
   });
 }
 

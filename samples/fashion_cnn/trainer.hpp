@@ -38,6 +38,9 @@
 #include <lockstep/optim/state.hpp>
 #include <lockstep/optim/update.hpp>
 
+#include "../common/checkpoint.hpp"
+#include "../common/loop.hpp"
+#include "../common/metrics.hpp"
 #include "../common/pipeline.hpp"
 #include "model_layout.hpp"
 
@@ -66,6 +69,9 @@ struct options {
   float label_smoothing = 0.1f;
   int bn_group = 1;
   std::array<int, nblocks> channels{32, 64, 128};
+  std::array<int, 2> fc{0, 0};              // --fc H1,H2: the AlexNet-like head; 0,0: none
+  std::string parallel = "data";            // data | hybrid-a | hybrid-b | hybrid-c (replica_hybrid.hpp)
+  std::string activation_codec = "fp32";    // hybrid runs: activations on the wire
   std::uint64_t seed = 1;
   bool augment = true;
   bool resume = false;
@@ -114,9 +120,10 @@ inline std::uint64_t options_fingerprint(const options& o) {
     << o.error_feedback << ' ' << o.optimizer << ' ' << peak_lr(o) << ' ' << o.warmup_epochs << ' ' << o.end_lr << ' '
     << o.power << ' ' << o.momentum << ' ' << o.weight_decay << ' ' << o.lars_trust << ' ' << o.label_smoothing
     << ' ' << o.bn_group << ' ' << o.augment << ' ' << o.train_limit << ' ' << o.epochs;
-  std::uint64_t h = 1469598103934665603ull;
-  for (char c : s.str()) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
+  // The head's shape changes the model; --parallel and --activation-codec do not change its format,
+  // so a hybrid run may resume as data-parallel and back.
+  if (o.fc[0] > 0) s << " fc " << o.fc[0] << ',' << o.fc[1];
+  return sample::fingerprint(s.str());
 }
 
 struct checkpoint {
@@ -126,10 +133,7 @@ struct checkpoint {
 };
 
 inline void save_checkpoint(const std::string& path, const options& o, const checkpoint& c) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw std::runtime_error(tmp + ": cannot create the checkpoint file");
+  sample::write_atomically(path, [&](std::ofstream& f) {
     f.write("LSCKPT02", 8);
     const std::uint32_t head[10] = {static_cast<std::uint32_t>(c.epochs_done),
                                    static_cast<std::uint32_t>(c.global_step & 0xFFFFFFFF),
@@ -142,14 +146,10 @@ inline void save_checkpoint(const std::string& path, const options& o, const che
                                    static_cast<std::uint32_t>(o.channels[2]),
                                    static_cast<std::uint32_t>(c.residuals.size())};
     const std::uint64_t ids[2] = {o.seed, options_fingerprint(o)};
-    f.write(reinterpret_cast<const char*>(head), sizeof head);
-    f.write(reinterpret_cast<const char*>(ids), sizeof ids);
-    for (const auto* v : {&c.params, &c.running, &c.momentum, &c.residuals})
-      f.write(reinterpret_cast<const char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
-    f.flush();
-    if (!f) throw std::runtime_error(tmp + ": write failed (disk full?)");
-  }
-  std::filesystem::rename(tmp, path);
+    sample::write_pod(f, std::span<const std::uint32_t>(head));
+    sample::write_pod(f, std::span<const std::uint64_t>(ids));
+    for (const auto* v : {&c.params, &c.running, &c.momentum, &c.residuals}) sample::write_pod(f, std::span<const float>(*v));
+  });
 }
 
 inline checkpoint load_checkpoint(const std::string& path, const options& o) {
@@ -172,15 +172,7 @@ inline checkpoint load_checkpoint(const std::string& path, const options& o) {
                                     "schedule, epochs ...); resume with the flags of the original run");
   // The sizes the header claims, checked against what the file holds before anything is allocated
   // for them (a corrupt header must not ask for gigabytes).
-  const std::uint64_t claimed = (std::uint64_t{head[3]} + head[4] + head[5] + head[9]) * sizeof(float);
-  const auto here = f.tellg();
-  f.seekg(0, std::ios::end);
-  const auto end = f.tellg();
-  f.seekg(here);
-  if (here < 0 || end < here || claimed != static_cast<std::uint64_t>(end - here))
-    throw std::runtime_error(path + ": the header promises " + std::to_string(claimed) + " bytes of parameters and state, " +
-                             "the file holds " + std::to_string(end >= here ? static_cast<long long>(end - here) : 0) +
-                             " (truncated or not a checkpoint of this program)");
+  sample::check_remaining(f, (std::uint64_t{head[3]} + head[4] + head[5] + head[9]) * sizeof(float), path);
   checkpoint c;
   c.epochs_done = static_cast<int>(head[0]);
   c.global_step = static_cast<long long>(head[1]) | (static_cast<long long>(head[2]) << 32);
@@ -188,8 +180,7 @@ inline checkpoint load_checkpoint(const std::string& path, const options& o) {
   c.running.resize(head[4]);
   c.momentum.resize(head[5]);
   c.residuals.resize(head[9]);
-  for (auto* v : {&c.params, &c.running, &c.momentum, &c.residuals})
-    f.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
+  for (auto* v : {&c.params, &c.running, &c.momentum, &c.residuals}) sample::read_pod(f, std::span<float>(*v));
   if (!f) throw std::runtime_error(path + ": truncated checkpoint");
   return c;
 }
@@ -198,23 +189,10 @@ inline checkpoint load_checkpoint(const std::string& path, const options& o) {
 // Metrics: a CSV row per epoch and a gnuplot script that draws loss and accuracy from it.
 
 inline void write_plot(const std::string& dir, bool run_gnuplot) {
-  const std::string gp = dir + "/metrics.gp";
-  std::ofstream f(gp);
-  f << "set terminal pngcairo size 1000,420\n"
-       "set output '" << dir << "/metrics.png'\n"
-       "set datafile separator ','\n"
-       "set key autotitle columnhead\n"
-       "set multiplot layout 1,2\n"
-       "set title 'loss'; set xlabel 'epoch'; set grid\n"
-       "plot '" << dir << "/metrics.csv' using 1:6 with linespoints title 'train', '' using 1:7 with linespoints title 'test'\n"
-       "set title 'test accuracy (%)'; set xlabel 'epoch'\n"
-       "plot '" << dir << "/metrics.csv' using 1:(100*$8) with linespoints title 'test'\n"
-       "unset multiplot\n";
-  f.close();
-  if (run_gnuplot) {
-    const std::string cmd = "gnuplot '" + gp + "' 2>/dev/null";
-    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "note: gnuplot failed; the CSV is still in %s\n", dir.c_str());
-  }
+  sample::write_plot(dir,
+                     {{"loss", "epoch", {{"1:6", "train"}, {"1:7", "test"}}},
+                      {"test accuracy (%)", "epoch", {{"1:(100*$8)", "test"}}}},
+                     run_gnuplot);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -239,6 +217,7 @@ inline config model_config(const options& o) {
   config cfg;
   cfg.channels = o.channels;
   cfg.label_smoothing = o.label_smoothing;
+  cfg.fc = o.fc;
   return cfg;
 }
 
@@ -259,10 +238,7 @@ inline void check_checkpoint_sizes(const checkpoint& c, std::size_t params, std:
 // then phase 1), or a clear error when the checkpoint has none for this many replicas.
 inline const float* checkpoint_residuals(const checkpoint& c, std::size_t params, int rank, int R,
                                          const std::string& path) {
-  const std::size_t per_rank = 2 * params;
-  if (c.residuals.size() != per_rank * static_cast<std::size_t>(R))
-    throw std::runtime_error(path + ": holds no error-feedback residuals for " + std::to_string(R) + " replicas");
-  return c.residuals.data() + per_rank * static_cast<std::size_t>(rank);
+  return sample::checkpoint_residuals(c.residuals, params, rank, R, path);
 }
 
 template <class Group, class Replica>
@@ -271,14 +247,8 @@ void train_replica(Group& world, const options& o, const shared_data& data, Repl
   const bool leader = rank == 0;
 
   // Batch-norm groups: consecutive ranks, G at a time.
-  Group bn = world.split(rank / o.bn_group, rank);
-  bn_group bng;
-  bng.size = bn.size();
-  bng.all_gather = [&](std::span<const float> mine, std::span<float> all) {
-    lockstep::codec::fp32 c32;
-    lockstep::all_gather(bn, mine, all, lockstep::topology::ring{}, c32);
-  };
-  bng.sum = [&](std::span<float> v) { lockstep::all_reduce(bn, v); };
+  const sample::replica_bn_group<Group> bn(world, o.bn_group);
+  const bn_group& bng = bn.bn;
 
   const int steps_per_epoch = data.train.n / o.batch;  // the last incomplete global batch is dropped
   const long long total_steps = static_cast<long long>(steps_per_epoch) * o.epochs;
@@ -295,42 +265,30 @@ void train_replica(Group& world, const options& o, const shared_data& data, Repl
     step = c.global_step;
     if (leader && !o.quiet) std::printf("resuming %s after epoch %d (step %lld)\n", ckpt_path.c_str(), first_epoch, step);
   } else if (leader) {
-    std::ofstream(csv_path) << "epoch,step,images,seconds,lr,train_loss,test_loss,test_acc,images_per_s\n";
+    sample::csv_start(csv_path, "epoch,step,images,seconds,lr,train_loss,test_loss,test_acc,images_per_s");
   }
   if (leader) result.checkpoint = ckpt_path, result.csv = csv_path, result.plot = o.out + "/metrics.png";
 
   sample::batch_loader loader(data.train, B, rank, R, o.seed, {o.augment, 2, true}, first_epoch);
   using clock = std::chrono::steady_clock;
-  const auto t_run = clock::now();
+  sample::progress_meter progress(total_steps, static_cast<long long>(first_epoch) * steps_per_epoch, o.batch);
 
   const int last_epoch = o.stop_after > 0 ? std::min(o.epochs, first_epoch + o.stop_after) : o.epochs;
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
     const auto t_epoch = clock::now();
-    double loss_sum = 0, window_loss = 0;
-    int window = 0;
-    auto t_window = clock::now();
+    double loss_sum = 0;
     for (int s = 0; s < steps_per_epoch; ++s, ++step) {
       const sample::batch& b = loader.next();
       const float lr = static_cast<float>(schedule(static_cast<double>(step)));
       const float loss = rep.train_step(b, B, bng, lr);
 
       loss_sum += loss;
-      window_loss += loss;
-      ++window;
-      if (leader && !o.quiet && (window == o.print_every || s + 1 == steps_per_epoch)) {
-        const double dt = std::chrono::duration<double>(clock::now() - t_window).count();
-        const double ips = window * static_cast<double>(o.batch) / dt;
-        const double elapsed = std::chrono::duration<double>(clock::now() - t_run).count();
-        const long long done = step + 1 - static_cast<long long>(first_epoch) * steps_per_epoch;
-        const double eta = elapsed / static_cast<double>(done) * static_cast<double>(total_steps - step - 1);
-        std::printf("epoch %d/%d step %d/%d  loss %.4f  lr %.4f  %.0f img/s  ETA %dm%02ds\n", epoch + 1, o.epochs,
-                    s + 1, steps_per_epoch, window_loss / window, lr, ips, static_cast<int>(eta) / 60,
-                    static_cast<int>(eta) % 60);
-        std::fflush(stdout);
-        window = 0, window_loss = 0, t_window = clock::now();
-      }
+      progress.add(loss);
+      if (leader && !o.quiet && (progress.window() == o.print_every || s + 1 == steps_per_epoch))
+        progress.print(epoch + 1, o.epochs, s + 1, steps_per_epoch, step, lr);
     }
     const double epoch_s = std::chrono::duration<double>(clock::now() - t_epoch).count();
+    if constexpr (requires { rep.end_epoch(); }) rep.end_epoch();  // hybrid: gather the split layers
 
     // Every replica ends the epoch with the same model: the running statistics of different BN
     // groups differ, so average them (parameters are already equal).
@@ -360,21 +318,17 @@ void train_replica(Group& world, const options& o, const shared_data& data, Repl
     std::vector<float> residuals;
     if constexpr (Replica::has_residuals) {
       const std::vector<float> mine = rep.residuals();
-      residuals.resize(mine.size() * static_cast<std::size_t>(R));
-      lockstep::codec::fp32 c32;
-      lockstep::all_gather(world, std::span<const float>(mine), std::span<float>(residuals), lockstep::topology::ring{},
-                           c32);
+      residuals = sample::gather_all(world, std::span<const float>(mine));
     }
 
     if (leader) {
-      epoch_record rec{epoch + 1, step, std::chrono::duration<double>(clock::now() - t_run).count(),
+      epoch_record rec{epoch + 1, step, progress.seconds(),
                        steps_per_epoch * static_cast<double>(o.batch) / epoch_s,
                        schedule(static_cast<double>(step)), sums[2] / (static_cast<double>(R) * steps_per_epoch),
                        sums[1] / n_test, sums[0] / n_test};
       result.epochs.push_back(rec);
-      std::ofstream(csv_path, std::ios::app) << rec.epoch << ',' << rec.step << ',' << rec.step * o.batch << ','
-                                             << rec.seconds << ',' << rec.lr << ',' << rec.train_loss << ','
-                                             << rec.test_loss << ',' << rec.test_acc << ',' << rec.images_per_s << '\n';
+      sample::csv_row(csv_path, rec.epoch, rec.step, rec.step * o.batch, rec.seconds, rec.lr, rec.train_loss,
+                      rec.test_loss, rec.test_acc, rec.images_per_s);
       const std::span<float> run = rep.running();
       checkpoint c{epoch + 1, step, rep.params(), std::vector<float>(run.begin(), run.end()), rep.momentum(),
                    std::move(residuals)};
@@ -394,62 +348,35 @@ void train_replica(Group& world, const options& o, const shared_data& data, Repl
 
 template <class F>
 void with_policies(const options& o, F&& f) {
-  using namespace lockstep;
-  auto with_optimizer = [&](auto topo, auto& codec) {
-    if (o.optimizer == "sgd") {
-      f(topo, codec, optim::sgd{o.momentum, o.weight_decay, false, true});
-    } else {
-      optim::lars opt;
-      opt.momentum = o.momentum;
-      opt.weight_decay = o.weight_decay;
-      opt.trust = o.lars_trust;
-      f(topo, codec, opt);
-    }
-  };
-  auto with_codec = [&](auto topo) {
-    auto go = [&](auto inner) {
-      if (o.error_feedback) {
-        codec::error_feedback<decltype(inner)> c(inner);
-        with_optimizer(topo, c);
-      } else {
-        with_optimizer(topo, inner);
-      }
-    };
-    if (o.codec == "fp32") {
-      codec::fp32 c;
-      with_optimizer(topo, c);  // lossless: error feedback would keep a residual of zeros
-    } else if (o.codec == "bf16") {
-      go(codec::bf16{});
-    } else if (o.codec == "int8") {
-      go(codec::int8{o.codec_block});
-    } else {
-      go(codec::dyntree8{o.codec_block});
-    }
-  };
-  if (o.topology == "ring") {
-    with_codec(topology::ring{});
-  } else {
-    int r = 0, c = 0;
-    if (o.topology.size() > 8) std::sscanf(o.topology.c_str() + 8, "%dx%d", &r, &c);  // "torus2d:RxC"
-    with_codec(topology::torus2d{r, c});
-  }
+  sample::with_policies(o, std::forward<F>(f));
 }
 
 // Checks the flags that a replica cannot check alone; throws with a message naming the flag.
 inline void validate(const options& o) {
   auto bad = [](const std::string& s) { throw std::invalid_argument(s); };
-  if (o.ranks < 1) bad("--ranks must be at least 1");
-  if (o.batch < o.ranks || o.batch % o.ranks != 0)
-    bad("--batch " + std::to_string(o.batch) + " must be a multiple of --ranks " + std::to_string(o.ranks));
-  if (o.bn_group < 1 || o.ranks % o.bn_group != 0)
-    bad("--bn-group " + std::to_string(o.bn_group) + " must divide --ranks " + std::to_string(o.ranks));
-  if (o.topology != "ring" && o.topology.rfind("torus2d", 0) != 0) bad("--topology must be ring, torus2d or torus2d:RxC");
-  if (o.codec != "fp32" && o.codec != "bf16" && o.codec != "int8" && o.codec != "dyntree8")
-    bad("--codec must be fp32, bf16, int8 or dyntree8");
-  if (o.optimizer != "sgd" && o.optimizer != "lars") bad("--optimizer must be sgd or lars");
+  sample::validate_parallel_flags(o);
   if (o.epochs < 1) bad("--epochs must be at least 1");
   if (o.lr < 0) bad("--lr must be positive (0: the optimizer's default)");
   if (o.label_smoothing < 0 || o.label_smoothing >= 1) bad("--label-smoothing must be in [0, 1)");
+  if ((o.fc[0] > 0) != (o.fc[1] > 0) || o.fc[0] < 0 || o.fc[1] < 0) bad("--fc wants two positive widths H1,H2");
+  if (o.parallel != "data" && o.parallel != "hybrid-a" && o.parallel != "hybrid-b" && o.parallel != "hybrid-c")
+    bad("--parallel must be data, hybrid-a, hybrid-b or hybrid-c");
+  if (o.activation_codec != "fp32" && o.activation_codec != "bf16" && o.activation_codec != "int8" &&
+      o.activation_codec != "dyntree8")
+    bad("--activation-codec must be fp32, bf16, int8 or dyntree8");
+  if (o.parallel != "data") {
+    if (o.fc[0] <= 0) bad("--parallel " + o.parallel + " splits the FC head: give --fc H1,H2");
+    if (o.fc[0] < o.ranks) bad("--fc " + std::to_string(o.fc[0]) + ",...: each of the " + std::to_string(o.ranks) +
+                               " ranks needs at least one of fc1's columns");
+    if (o.optimizer != "sgd") bad("--parallel " + o.parallel + " supports --optimizer sgd only (LARS needs whole-tensor norms)");
+    if (o.error_feedback) bad("--parallel " + o.parallel + " does not support --error-feedback");
+  }
+}
+
+// The GPU trainer has neither the FC head nor hybrid parallelism (yet): say so instead of ignoring them.
+inline void validate_gpu(const options& o) {
+  if (o.fc[0] > 0 || o.parallel != "data")
+    throw std::invalid_argument("--fc and --parallel are built for the CPU trainer only (lockstep-train-fashion)");
 }
 
 // Loads the data set once for this process, keeping the first N images where the flags say so.

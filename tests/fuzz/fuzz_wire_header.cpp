@@ -1,9 +1,9 @@
 // tests/fuzz/fuzz_wire_header.cpp: lockstep::detail::describe_mismatch on two collective headers
 // (collective/executor.hpp), the check every rank runs on the header a peer sent it.
 //
-// Input: [which fields differ: u16 mask][header A: 48 bytes][header B: 48 bytes]. "theirs" is A with
+// Input: [which fields differ: u16 mask][header A: 56 bytes][header B: 56 bytes]. "theirs" is A with
 // the fields whose mask bit is set taken from B, so equal headers and single-field differences are
-// as common as arbitrary ones. Checked: the answer is "" exactly when all nine fields are equal,
+// as common as arbitrary ones. Checked: the answer is "" exactly when all ten fields are equal,
 // whichever side is whose; a non-empty answer is printable ASCII and the same when asked again.
 #include <cstdint>
 #include <cstdio>
@@ -16,7 +16,7 @@
 namespace {
 
 using lockstep::detail::wire_header;
-static_assert(sizeof(wire_header) == 48, "wire_header gained padding or a field: update this target");
+static_assert(sizeof(wire_header) == 56, "wire_header gained padding or a field: update this target");
 
 [[noreturn]] void fail(const char* what, const std::string& said) {
   std::fprintf(stderr, "fuzz_wire_header: %s (said \"%s\")\n", what, said.c_str());
@@ -25,7 +25,8 @@ static_assert(sizeof(wire_header) == 48, "wire_header gained padding or a field:
 
 bool all_equal(const wire_header& a, const wire_header& b) {
   return a.magic == b.magic && a.kind == b.kind && a.codec_id == b.codec_id && a.topology_id == b.topology_id &&
-         a.rop == b.rop && a.root == b.root && a.count == b.count && a.segment == b.segment && a.seq == b.seq;
+         a.rop == b.rop && a.root == b.root && a.count == b.count && a.segment == b.segment && a.seq == b.seq &&
+         a.layout == b.layout;
 }
 
 void check_text(const std::string& s) {
@@ -52,6 +53,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (mask & 1u << 6) theirs.count = other.count;
   if (mask & 1u << 7) theirs.segment = other.segment;
   if (mask & 1u << 8) theirs.seq = other.seq;
+  if (mask & 1u << 10) theirs.layout = other.layout;
   if (mask & 1u << 9) theirs.magic = mine.magic = wire_header{}.magic;  // the real magic on both sides
 
   const bool equal = all_equal(mine, theirs);

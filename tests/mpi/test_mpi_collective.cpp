@@ -98,7 +98,8 @@ void all_reduce_case(mpi_group& g, const T& topo, std::size_t count, reduce_op o
     m = std::max(m, a);
   }
   INFO("all_reduce " << (op == reduce_op::sum ? "sum" : "average"));
-  CHECK(check_close<C>(v.data(), ref, m, hops(topo, n), n, op == reduce_op::average ? 1.0 / n : 1.0) == "");
+  CHECK(check_close<C>(v.data(), ref, m, hops(topo, n), lockstep_test::quantisations(topo, n),
+                       op == reduce_op::average ? 1.0 / n : 1.0) == "");
   CHECK(same_everywhere(v.data(), count, g.transport().comm()));
 }
 
@@ -188,6 +189,8 @@ void every_op(mpi_group& g) {
   each(topology::torus2d{});
   if (n == 4) each(topology::torus2d{4, 1});  // a torus that is not square
   if (n == 3) each(topology::torus2d{3, 1});
+  each(topology::halving_doubling{});  // n = 3: one folded pair
+  each(topology::recursive_doubling{});
 }
 
 // The error a call throws; errc::invalid_argument with op "nothing thrown" when it throws none.

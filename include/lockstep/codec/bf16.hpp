@@ -36,6 +36,10 @@ struct bf16 {
   constexpr std::uint32_t id() const noexcept { return fingerprint(name(), 0); }
   constexpr std::size_t block() const noexcept { return 1; }
   constexpr std::size_t wire_bytes(std::size_t n) const noexcept { return pad8(n * 2); }
+  // Encode outputs from this size on are streamed past the cache (AVX-512 path). Above a
+  // collective's segments (1 MiB on the host), whose wire bytes are sent at once and are best
+  // left in cache; a 64 MiB buffer encoded whole is not read again soon.
+  static constexpr std::size_t nontemporal_bytes = std::size_t{8} << 20;
 
   void encode(const float* LOCKSTEP_RESTRICT in, std::size_t n, std::byte* out) const noexcept {
     std::uint16_t* LOCKSTEP_RESTRICT h = reinterpret_cast<std::uint16_t*>(out);
@@ -43,9 +47,25 @@ struct bf16 {
 #if LOCKSTEP_HOST_AVX512
     // 32 values per turn, the tail (under 32) by masked loads and stores
     const __m512i even = even_words();
-    for (; i + 32 <= n; i += 32)
-      _mm512_storeu_si512(h + i, _mm512_permutex2var_epi16(from_bits16(_mm512_loadu_si512(in + i)), even,
-                                                           from_bits16(_mm512_loadu_si512(in + i + 16))));
+    auto turn = [&](std::size_t j) {
+      return _mm512_permutex2var_epi16(from_bits16(_mm512_loadu_si512(in + j)), even, from_bits16(_mm512_loadu_si512(in + j + 16)));
+    };
+    const auto addr = reinterpret_cast<std::uintptr_t>(h);
+    if (n * 2 >= nontemporal_bytes && addr % 2 == 0) {
+      // A large output goes around the cache: non-temporal stores skip reading every line before
+      // it is overwritten (a third of encode's memory traffic), and the output would not stay in
+      // cache anyway. Masked stores up to the first 64-byte boundary, then whole lines.
+      const std::size_t head = ((64 - addr % 64) % 64) / 2;
+      if (head) {
+        const __mmask32 m = __mmask32((1u << head) - 1);
+        _mm512_mask_storeu_epi16(h, m, _mm512_permutex2var_epi16(from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m), in)), even,
+                                                                  from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m >> 16), in + 16))));
+        i = head;
+      }
+      for (; i + 32 <= n; i += 32) _mm512_stream_si512(reinterpret_cast<__m512i*>(h + i), turn(i));
+      _mm_sfence();  // the streamed lines are visible before whoever reads the wire is told
+    }
+    for (; i + 32 <= n; i += 32) _mm512_storeu_si512(h + i, turn(i));
     if (i < n) {
       const __mmask32 m = __mmask32((1u << (n - i)) - 1);
       const __m512i r = _mm512_permutex2var_epi16(from_bits16(_mm512_maskz_loadu_epi32(__mmask16(m), in + i)), even,

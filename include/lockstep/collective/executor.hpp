@@ -14,7 +14,10 @@
 // and the final value once, when its owner sends it to the all-gather. The wire bytes of a chunk
 // are kept in the group's scratch and forwarded unchanged by later all-gather steps, so no value is
 // quantised twice in that phase, and the owner replaces its own values by their decoded wire image,
-// so every rank ends bitwise equal.
+// so every rank ends bitwise equal. An exchange step (topology::is_exchange: recursive doubling)
+// sends a copy of the span, encoded for a lossy codec, and replaces the rank's own values by that
+// image before it adds the peer's, so both ends hold the same bits; values an exchange left equal
+// on two ranks are encoded without the error-feedback residual, which differs from rank to rank.
 //
 // Each rank sends every peer it will send to a header (op, count, codec, topology, root, segment
 // size, call number) and checks the header of every peer it will receive from before it posts a
@@ -83,6 +86,36 @@ struct wire_header {
   std::uint64_t count = 0;
   std::uint64_t segment = 0;
   std::uint64_t seq = 0;
+  std::uint64_t layout = 0;  // 0: equal chunks; else the fingerprint of the per-rank counts
+};
+
+// Per-rank counts (MPI's allgatherv / reduce_scatter): chunk c is counts[c] elements long and
+// starts after the chunks before it. The offsets are what the executor walks; the fingerprint is
+// what the header carries, so ranks that were handed different counts fail with a mismatch.
+struct chunk_layout {
+  std::vector<std::size_t> offsets;  // (chunk + 1); empty: n elements cut into equal chunks
+  std::uint64_t id = 0;
+
+  static chunk_layout from_counts(std::span<const std::size_t> counts) {
+    chunk_layout l;
+    l.offsets.assign(counts.size() + 1, 0);
+    std::uint64_t h = 0xcbf29ce484222325ull ^ counts.size();  // FNV-1a over the counts' values
+    for (std::size_t i = 0; i < counts.size(); ++i) {
+      l.offsets[i + 1] = l.offsets[i] + counts[i];
+      for (int b = 0; b < 64; b += 8) h = (h ^ ((counts[i] >> b) & 0xff)) * 0x100000001b3ull;
+    }
+    l.id = h | 1;  // never 0, which means equal chunks
+    return l;
+  }
+  bool equal_chunks() const noexcept { return offsets.empty(); }
+  std::string str() const {
+    std::string s = "[";
+    for (std::size_t i = 0; i + 1 < offsets.size(); ++i) {
+      if (i == 16) return s + ", ... (" + std::to_string(offsets.size() - 1) + " ranks)]";
+      s += (i ? ", " : "") + std::to_string(offsets[i + 1] - offsets[i]);
+    }
+    return s + "]";
+  }
 };
 
 struct op_desc {
@@ -91,6 +124,8 @@ struct op_desc {
   int root = -1;
   std::uint32_t topology_id = 0;
   std::string label;  // "all_reduce(ring, bf16)"
+  std::size_t segment_bytes = 0;  // this call's segment (topology::automatic); 0: the group's
+  chunk_layout layout{};  // per-rank counts of all_gather_v / reduce_scatter_v; else equal chunks
 };
 
 inline std::string describe_mismatch(const wire_header& mine, const wire_header& theirs) {
@@ -102,6 +137,13 @@ inline std::string describe_mismatch(const wire_header& mine, const wire_header&
   if (theirs.kind != mine.kind)
     return std::string("operation ") + to_string(static_cast<op_kind>(mine.kind)) + " here, " +
            to_string(static_cast<op_kind>(theirs.kind)) + " on the peer";
+  if (theirs.layout != mine.layout) {
+    if (!mine.layout || !theirs.layout)
+      return std::string("per-rank counts ") + (mine.layout ? "given" : "equal (not given)") + " here, " +
+             (theirs.layout ? "given" : "equal (not given)") + " on the peer";
+    return "per-rank counts differ (the ranks were handed different count vectors" +
+           (theirs.count != mine.count ? ", " + field("total", mine.count, theirs.count) : std::string()) + ")";
+  }
   if (theirs.count != mine.count) return field("element count", mine.count, theirs.count);
   if (theirs.codec_id != mine.codec_id) return "codecs differ (format or block size)";
   if (theirs.topology_id != mine.topology_id) return "topologies differ";
@@ -176,18 +218,29 @@ class schedule_run {
   void validate() const {
     if (!x_ && n_) throw fail(errc::invalid_argument, -1, "null buffer with " + std::to_string(n_) + " elements");
     if (n_ > max_count) throw fail(errc::invalid_argument, -1, "count " + std::to_string(n_) + " overflows the wire format");
+    const auto& off = op_.layout.offsets;
+    if (!off.empty() && (off.size() != std::size_t{s_.chunks} + 1 || off.back() != n_))
+      throw fail(errc::invalid_argument, -1,
+                 "per-rank counts " + op_.layout.str() + " do not cut a buffer of " + std::to_string(n_) +
+                     " elements into the schedule's " + std::to_string(s_.chunks) + " chunks");
   }
 
   // Wire layout in scratch: chunk c's segments back to back, each encoded on its own.  // (chunk)
+  // An exchange needs a second image of the same layout: what arrives cannot land where what this
+  // rank sends still lies.                                                            // (chunk)
   void lay_out_wire() {
-    seg_ = pipeline::segment_elems(codec_.block(), g_.segment_bytes());
+    const std::size_t seg_bytes = op_.segment_bytes && !space_type::ordered ? op_.segment_bytes : g_.segment_bytes();
+    seg_ = pipeline::segment_elems(codec_.block(), seg_bytes);
     wire_off_.assign(s_.chunks + 1, 0);
     for (std::uint32_t c = 0; c < s_.chunks; ++c) {
       const auto [lo, hi] = chunk(c);
       const std::size_t len = hi - lo, full = len / seg_;
       wire_off_[c + 1] = wire_off_[c] + (full ? full * codec_.wire_bytes(seg_) : 0) + codec_.wire_bytes(len % seg_);
     }
-    wire_ = g_.scratch(wire_off_[s_.chunks]);
+    const bool exchanges = std::any_of(s_.steps.begin(), s_.steps.end(), [](const topology::step& st) { return topology::is_exchange(st); });
+    wire_ = g_.scratch(wire_off_[s_.chunks] * (exchanges ? 2 : 1));
+    landing_off_ = exchanges ? wire_off_[s_.chunks] : 0;
+    replicated_.assign(exchanges ? s_.chunks : 0, false);
   }
 
   // Headers to every peer we send to, from every peer we receive from; checked before anything of
@@ -202,6 +255,7 @@ class schedule_run {
       mine_.count = n_;
       mine_.segment = seg_;
       mine_.seq = seq_;
+      mine_.layout = op_.layout.id;
       for (const auto& st : s_.steps) {
         if (st.send_peer >= 0 && std::find(to_.begin(), to_.end(), st.send_peer) == to_.end()) to_.push_back(st.send_peer);
         if (st.recv_peer >= 0 && std::find(from_.begin(), from_.end(), st.recv_peer) == from_.end()) from_.push_back(st.recv_peer);
@@ -221,7 +275,8 @@ class schedule_run {
     for (std::size_t i = 0; i < from_.size(); ++i) {
       if (!t_.wait(header_recvs_[i], g_.deadline()))
         throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0, from_[i]));
-      const std::string why = describe_mismatch(mine_, theirs_[i]);
+      std::string why = describe_mismatch(mine_, theirs_[i]);
+      if (!why.empty() && theirs_[i].layout != mine_.layout && mine_.layout) why += "; this rank's: " + op_.layout.str();
       if (!why.empty()) throw fail(errc::mismatch, from_[i], why);
     }
   }
@@ -255,6 +310,8 @@ class schedule_run {
     while (received < recvs_.size()) receive(st, si, received++);
     check_headers();
     wait_sends(st, si);
+    if (topology::is_exchange(st))
+      for (std::uint32_t c = st.recv.first; c < st.recv.end(); ++c) replicated_[c] = true;
   }
 
   // Headers checked, then this step's receives posted: at the top of the step, or in the first
@@ -265,7 +322,9 @@ class schedule_run {
     if (posted_) return;
     posted_ = true;
     const bool reduce = st.act == topology::action::reduce;
-    for (const segment& sg : recvs_) recv_reqs_.push_back(t_.irecv(st.recv_peer, tag(), landing(sg, reduce), msg_bytes(sg.len)));
+    const std::size_t off = topology::is_exchange(st) ? landing_off_ : 0;
+    for (const segment& sg : recvs_)
+      recv_reqs_.push_back(t_.irecv(st.recv_peer, tag(), static_cast<std::byte*>(landing(sg, reduce)) + off, msg_bytes(sg.len)));
   }
 
   // Reduce-scatter: encode the running partial sum (error feedback: through its residual), then
@@ -275,6 +334,13 @@ class schedule_run {
     if constexpr (!identity) {
       post_receives(st);
       if (st.phase == topology::phase::reduce_scatter) encode(sg, 0);
+      src = sg.wire;
+    }
+    if (topology::is_exchange(st)) {
+      // What the peer reads must not change as we add its values into ours: a copy (fp32), or
+      // the wire image, which then replaces our own values so that both ends add the same two.
+      if constexpr (identity) sp_.copy(sg.wire, x_ + sg.lo, msg_bytes(sg.len));
+      else sp_.decode(codec_, sg.wire, sg.len, x_ + sg.lo);
       src = sg.wire;
     }
     // A copy step's bytes (final values, or wire bytes being forwarded) are not written again in
@@ -341,6 +407,7 @@ class schedule_run {
   // bytes are what the all-gather forwards), handed to the epilogue.
   void finalize_owned() {
     check_headers();
+    if (s_.owned.empty()) return;  // a rank folded out of recursive doubling: it receives the result
     const std::size_t lo = chunk(s_.owned.first).first, hi = chunk(s_.owned.end() - 1).second;
     if (op_.rop == reduce_op::average && op_.kind != op_kind::all_gather && hi > lo)
       sp_.divide(x_ + lo, hi - lo, static_cast<float>(size_));
@@ -366,7 +433,10 @@ class schedule_run {
 
   // ---- helpers ---------------------------------------------------------------------------------
 
-  std::pair<std::size_t, std::size_t> chunk(std::uint32_t c) const { return chunk_range(n_, s_.chunks, c); }
+  std::pair<std::size_t, std::size_t> chunk(std::uint32_t c) const {
+    const auto& off = op_.layout.offsets;
+    return off.empty() ? chunk_range(n_, s_.chunks, c) : std::pair{off[c], off[c + 1]};
+  }
 
   void cut(topology::chunk_span span, std::vector<segment>& out) const {
     out.clear();
@@ -391,7 +461,7 @@ class schedule_run {
   void encode(const segment& sg, int ef_phase) {
     float* r = nullptr;
     if constexpr (codec::feedback_codec<C>) {
-      r = codec_.residual(x_, n_, ef_phase, sp_) + sg.lo;
+      if (replicated_.empty() || !replicated_[sg.chunk]) r = codec_.residual(x_, n_, ef_phase, sp_) + sg.lo;
     }
     sp_.encode(codec_, x_ + sg.lo, sg.len, sg.wire, r);
   }
@@ -436,6 +506,8 @@ class schedule_run {
   std::size_t seg_ = 1;
   std::vector<std::size_t> wire_off_;  // (chunk + 1)
   std::byte* wire_ = nullptr;
+  std::size_t landing_off_ = 0;    // where an exchange's received image lies, past wire_off_'s
+  std::vector<bool> replicated_;   // (chunk) an exchange left it equal on two ranks: no residual
 
   // Header exchange. `mine_` outlives the requests that send it: a request that has not completed
   // when the call fails withdraws its message or waits for the peer reading it, and only then is

@@ -16,7 +16,8 @@
 // 2018; halving-doubling: Thakur, Rabenseifner & Gropp 2005):
 //   ring              2(N-1) alpha + 2(N-1)/N S beta
 //   2-D torus R x C   2(R+C-2) alpha + 2(N-1)/N S beta
-//   halving-doubling  2 log2(N) alpha + 2(N-1)/N S beta   (no schedule in topology/ yet: closed form only)
+//   halving-doubling  2 log2(N) alpha + 2(N-1)/N S beta   (topology::halving_doubling; N a power of two)
+//   recursive doubling  log2(N) alpha + log2(N) S beta    (topology::recursive_doubling's all_reduce)
 // with alpha once per segment instead of once per step unless send_ahead (see add_ring), and the
 // bytes of pairwise exchanges (a ring of 2, a torus row or column of 2, every halving-doubling
 // step) at beta / eta instead of beta (link_params::exchange_efficiency).
@@ -60,6 +61,10 @@ struct link_params {
   double exchange_efficiency = 1.0; // eta, see above
   double burst_bytes = 0;           // token bucket depth, see above
   double burst_rate_Bps = 0;        // how fast credited bytes leave; 0: at once
+  // o (LogP's overhead): seconds of a rank's core per message it posts and per message it reads,
+  // the software cost of a message that does not overlap (alpha does). What makes many small
+  // segments cost more than few large ones. Only the simulator models it; 0 by default.
+  double overhead_s = 0;
   constexpr double beta() const noexcept { return 1.0 / bandwidth_Bps; }
   // Seconds per byte of a pairwise exchange: beta / eta.
   constexpr double exchange_beta() const noexcept { return 1.0 / (bandwidth_Bps * exchange_efficiency); }
@@ -246,6 +251,28 @@ inline cost_terms halving_doubling_terms(int size, std::size_t n, const codec_mo
     t.decode_add_elems += elems;
   }
   detail::add_finalize(t, c, size, chunk);
+  if (handshake && size > 1 && !c.identity) t.messages += 1, t.oneway_bytes += header_bytes;
+  return t;
+}
+
+// Recursive doubling (topology::recursive_doubling's all_reduce): log2 N exchanges of the whole
+// buffer, one chunk; each side encodes what it sends and decodes it back into place; the final
+// value is quantised once more by every rank. N a power of two.
+inline cost_terms recursive_doubling_terms(int size, std::size_t n, const codec_model& c, std::size_t segment_bytes,
+                                           bool handshake = true, bool send_ahead = false) {
+  if (size < 1 || (size & (size - 1)))
+    throw error(errc::invalid_argument, "sim::recursive_doubling_terms", -1, -1,
+                "recursive doubling's closed form needs a power-of-two group, not " + std::to_string(size) + " ranks");
+  cost_terms t;
+  const std::size_t seg = segment_elems(c, segment_bytes);
+  for (int d = 1; d < size; d *= 2) {
+    const double elems = static_cast<double>(n);
+    t.messages += send_ahead ? 1.0 : static_cast<double>(chunk_segments(n, seg));
+    t.exchange_bytes += static_cast<double>(chunk_wire_bytes(c, n, seg));
+    if (!c.identity) t.encode_elems += elems, t.decode_elems += elems;
+    t.decode_add_elems += c.identity ? 2 * elems : elems;  // fp32 copies the span aside (simulator.hpp)
+  }
+  detail::add_finalize(t, c, size, n);
   if (handshake && size > 1 && !c.identity) t.messages += 1, t.oneway_bytes += header_bytes;
   return t;
 }

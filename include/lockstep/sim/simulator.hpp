@@ -8,6 +8,9 @@
 //     segment_bytes) and interleaved — encode send segment j (reduce-scatter only: the all-gather
 //     forwards wire bytes), post it, wait for receive segment j, decode-add (reduce) or decode
 //     (copy; free for fp32, which lands in place); the step ends when its sends have left too.
+//     Every message posted and read costs the core link_params::overhead_s (LogP's o).
+//     An exchange (recursive doubling) also decodes what it sends back into place (fp32: copies
+//     it aside, costed as a decode-add).
 //     Between the phases the owner encodes and decodes its final chunk once. Codec work costs
 //     gamma per element (codec_rates, measured by measure_rates).
 //   * links: every host has one NIC, an egress and an ingress link (full duplex) of the cluster's
@@ -38,6 +41,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -122,6 +126,7 @@ struct run {
   std::uint32_t length = 0;
   bool reduce = false;
   bool reduce_scatter = false;
+  bool exchange = false;  // topology::is_exchange
 };
 
 struct compact_schedule {
@@ -139,14 +144,15 @@ inline compact_schedule compress(const topology::schedule& s) {
   c.finalize_at = static_cast<std::uint32_t>(pipeline::finalize_step(s));
   c.owned = s.owned;
   for (const topology::step& st : s.steps) {
-    const bool red = st.act == topology::action::reduce, rs = st.phase == topology::phase::reduce_scatter;
+    const bool red = st.act == topology::action::reduce, rs = st.phase == topology::phase::reduce_scatter,
+               ex = topology::is_exchange(st);
     const std::uint32_t sc = st.send_peer >= 0 ? st.send.count : 0, rc = st.recv_peer >= 0 ? st.recv.count : 0;
     if (st.recv_peer >= 0 && std::find(c.recv_peers.begin(), c.recv_peers.end(), st.recv_peer) == c.recv_peers.end())
       c.recv_peers.push_back(st.recv_peer);
     if (!c.runs.empty()) {
       run& r = c.runs.back();
       if (r.send_peer == st.send_peer && r.recv_peer == st.recv_peer && r.reduce == red && r.reduce_scatter == rs &&
-          r.send_count == sc && r.recv_count == rc) {
+          r.exchange == ex && r.send_count == sc && r.recv_count == rc) {
         const std::int64_t ds = std::int64_t(st.send.first) - r.send_first, dr = std::int64_t(st.recv.first) - r.recv_first;
         if (r.length == 1) {
           r.send_stride = ds, r.recv_stride = dr, r.length = 2;
@@ -158,7 +164,7 @@ inline compact_schedule compress(const topology::schedule& s) {
         }
       }
     }
-    c.runs.push_back({st.send_peer, st.recv_peer, st.send.first, sc, st.recv.first, rc, 0, 0, 1, red, rs});
+    c.runs.push_back({st.send_peer, st.recv_peer, st.send.first, sc, st.recv.first, rc, 0, 0, 1, red, rs, ex});
   }
   return c;
 }
@@ -168,8 +174,10 @@ struct segment_cursor {
   std::uint64_t n = 0, chunks = 1, seg = 1;
   std::uint32_t chunk = 0, end = 0;  // current chunk, one past the last
   std::uint64_t offset = 0;          // within the current chunk
+  const std::size_t* offsets = nullptr;  // (chunk + 1): per-rank counts (all_gather_v ...), else equal chunks
 
   std::uint64_t chunk_len(std::uint32_t c) const noexcept {
+    if (offsets) return offsets[c + 1] - offsets[c];
     using wide = unsigned __int128;
     return static_cast<std::uint64_t>(wide(n) * (c + 1) / chunks - wide(n) * c / chunks);
   }
@@ -193,7 +201,9 @@ struct segment_cursor {
 
 // Simulates one collective: schedule_of(rank) gives each rank's schedule (all the same number of
 // chunks) over n fp32 values. `finalize_owned`: the all-reduce's owner encode + decode between the
-// phases (set it for all_reduce schedules).
+// phases (set it for all_reduce schedules). `offsets` (chunks + 1, ending at n): chunk c is
+// [offsets[c], offsets[c+1]) as all_gather_v / reduce_scatter_v cut it (detail::chunk_layout);
+// empty: equal chunks.
 class simulator {
  public:
   simulator(const cluster& cl, const codec_model& codec) : cl_(cl), codec_(codec) {
@@ -224,8 +234,11 @@ class simulator {
   }
 
   result run(int size, std::size_t n, const std::function<topology::schedule(int)>& schedule_of,
-             bool finalize_owned = true) {
+             bool finalize_owned = true, std::span<const std::size_t> offsets = {}) {
     if (size < 1) throw error(errc::invalid_argument, "sim::simulator::run", -1, -1, "group size " + std::to_string(size) + ", not >= 1");
+    if (!offsets.empty() && offsets.back() != n)
+      throw error(errc::invalid_argument, "sim::simulator::run", -1, -1,
+                  "per-chunk offsets end at " + std::to_string(offsets.back()) + ", not at the " + std::to_string(n) + " values");
     last_symmetric_ = false;
     size_ = size;
     n_ = n;
@@ -246,7 +259,12 @@ class simulator {
         throw error(errc::mismatch, "sim::simulator::run", r, 0,
                     "this rank's schedule cuts the buffer into " + std::to_string(R.sched.chunks) + " chunks, rank 0's into " +
                         std::to_string(ranks_[0].sched.chunks));
+      if (!offsets.empty() && offsets.size() != std::size_t{R.sched.chunks} + 1)
+        throw error(errc::invalid_argument, "sim::simulator::run", r, -1,
+                    std::to_string(offsets.size()) + " per-chunk offsets for a schedule of " + std::to_string(R.sched.chunks) +
+                        " chunks (want chunks + 1)");
       max_steps = std::max<std::uint64_t>(max_steps, R.sched.steps);
+      R.send.offsets = R.recv.offsets = offsets.empty() ? nullptr : offsets.data();
       R.send.n = R.recv.n = n;
       R.send.chunks = R.recv.chunks = R.sched.chunks;
       R.send.seg = R.recv.seg = seg_;
@@ -310,7 +328,8 @@ class simulator {
   struct message {
     double ready;        // posted by the sender's core
     std::uint64_t seq;   // ties: posting order
-    std::uint32_t src, dst, step, index;
+    std::uint32_t src, dst;
+    std::uint64_t ordinal;  // the sender's how-many-th message (segment) to dst in this collective
     std::uint64_t bytes;
     bool exchange;       // its step's send peer is also the receive peer
   };
@@ -318,14 +337,15 @@ class simulator {
     return a.ready != b.ready ? a.ready > b.ready : a.seq > b.seq;
   }
   struct arrival {
-    std::uint32_t src, step, index;
+    std::uint32_t src;
+    std::uint64_t ordinal;
     double time;
   };
   enum class wait : std::uint8_t { none, recv, sends };
   struct rank_state {
     detail::compact_schedule sched;
     std::uint32_t run = 0, in_run = 0, step = 0;
-    bool in_step = false, finished = false, finalized = false, reduce = false, reduce_scatter = false;
+    bool in_step = false, finished = false, finalized = false, reduce = false, reduce_scatter = false, exchange = false;
     int send_peer = -1, recv_peer = -1;
     detail::segment_cursor send, recv;
     std::uint32_t sent = 0, received = 0;  // segments of the current step
@@ -334,7 +354,16 @@ class simulator {
     double t = 0;  // this rank's core
     wait waiting = wait::none;
     std::vector<arrival> early;  // arrived before this rank wanted them
+    // Messages between two ranks match in send order, as the executor's do: the k-th segment a
+    // rank sends a peer is the k-th that peer receives from it, whatever step each is at (the
+    // ranks a fold leaves out run fewer steps than their partners).
+    std::vector<std::pair<int, std::uint64_t>> sent_to, got_from;
   };
+  static std::uint64_t& counter(std::vector<std::pair<int, std::uint64_t>>& v, int peer) {
+    for (auto& [p, k] : v)
+      if (p == peer) return k;
+    return v.emplace_back(peer, 0).second;
+  }
 
   bool same_host(int a, int b) const noexcept { return a / cl_.ranks_per_host == b / cl_.ranks_per_host; }
 
@@ -407,6 +436,7 @@ class simulator {
       const std::int64_t k = R.in_run;
       R.reduce = ru.reduce;
       R.reduce_scatter = ru.reduce_scatter;
+      R.exchange = ru.exchange;
       R.send.reset(static_cast<std::uint32_t>(ru.send_first + k * ru.send_stride), ru.send_peer >= 0 ? ru.send_count : 0);
       R.recv.reset(static_cast<std::uint32_t>(ru.recv_first + k * ru.recv_stride), ru.recv_peer >= 0 ? ru.recv_count : 0);
       R.sent = R.received = 0;
@@ -416,6 +446,8 @@ class simulator {
         if (!R.send.done() && (lead(R) <= ahead_ || R.recv.done())) {
           const std::uint64_t len = R.send.next();
           if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
+          if (R.exchange) R.t += static_cast<double>(len) * exchange_copy_s();
+          R.t += cl_.nic.overhead_s;
           const double end = detail::transmit(std::array{&egress, &ingress}, R.t, static_cast<double>(codec_.message_bytes(len)),
                                               cl_.nic.bandwidth_for(ru.send_peer == ru.recv_peer), cl_.nic);
           send_end = end;
@@ -425,7 +457,7 @@ class simulator {
         }
         if (!R.recv.done() && (lead(R) > ahead_ || R.send.done())) {
           if (R.received >= arrive.size()) return std::nullopt;  // receives ahead of sends: no mirror
-          consume(R, arrive[R.received]);
+          consume(R, arrive[R.received], cl_.nic.overhead_s);
         }
       }
       R.t = std::max(R.t, send_end);
@@ -445,16 +477,19 @@ class simulator {
 
   void post(rank_state& R, std::uint32_t src, std::uint64_t len) {
     if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
-    heap_.push_back({R.t, seq_++, src, static_cast<std::uint32_t>(R.send_peer), R.step, R.sent++,
+    if (R.exchange) R.t += static_cast<double>(len) * exchange_copy_s();
+    R.t += (same_host(static_cast<int>(src), R.send_peer) ? cl_.local : cl_.nic).overhead_s;
+    ++R.sent;
+    heap_.push_back({R.t, seq_++, src, static_cast<std::uint32_t>(R.send_peer), counter(R.sent_to, R.send_peer)++,
                      codec_.message_bytes(len), R.send_peer == R.recv_peer});
     std::push_heap(heap_.begin(), heap_.end(), later);
     ++R.sends_pending;
     ++messages_;
   }
 
-  void consume(rank_state& R, double when) {
+  void consume(rank_state& R, double when, double overhead) {
     const std::uint64_t len = R.recv.next();
-    R.t = std::max(R.t, when);
+    R.t = std::max(R.t, when) + overhead;
     if (R.reduce) R.t += static_cast<double>(len) * codec_.rates.decode_add_s;
     else if (!codec_.identity) R.t += static_cast<double>(len) * codec_.rates.decode_s;
     ++R.received;
@@ -488,6 +523,7 @@ class simulator {
         R.recv_peer = ru.recv_peer;
         R.reduce = ru.reduce;
         R.reduce_scatter = ru.reduce_scatter;
+        R.exchange = ru.exchange;
         R.send.reset(static_cast<std::uint32_t>(ru.send_first + k * ru.send_stride), ru.send_peer >= 0 ? ru.send_count : 0);
         R.recv.reset(static_cast<std::uint32_t>(ru.recv_first + k * ru.recv_stride), ru.recv_peer >= 0 ? ru.recv_count : 0);
         R.sent = R.received = 0;
@@ -499,7 +535,7 @@ class simulator {
         if (!R.send.done() && (lead(R) <= ahead_ || R.recv.done())) post(R, static_cast<std::uint32_t>(r), R.send.next());
         if (!R.recv.done() && (lead(R) > ahead_ || R.send.done())) {
           auto it = std::find_if(R.early.begin(), R.early.end(), [&](const arrival& a) {
-            return a.src == static_cast<std::uint32_t>(R.recv_peer) && a.step == R.step && a.index == R.received;
+            return a.src == static_cast<std::uint32_t>(R.recv_peer) && a.ordinal == counter(R.got_from, R.recv_peer);
           });
           if (it == R.early.end()) {
             R.waiting = wait::recv;
@@ -508,7 +544,8 @@ class simulator {
           const double when = it->time;
           *it = R.early.back();
           R.early.pop_back();
-          consume(R, when);
+          consume(R, when, (same_host(r, R.recv_peer) ? cl_.local : cl_.nic).overhead_s);
+          ++counter(R.got_from, R.recv_peer);
         }
       }
       if (R.sends_pending) {
@@ -546,13 +583,19 @@ class simulator {
     S.send_end = std::max(S.send_end, end);
     if (--S.sends_pending == 0 && S.waiting == wait::sends) advance(src);
     rank_state& D = ranks_[m.dst];
-    if (D.waiting == wait::recv && D.recv_peer == src && D.step == m.step && D.received == m.index) {
-      consume(D, arrive);
+    if (D.waiting == wait::recv && D.recv_peer == src && counter(D.got_from, src) == m.ordinal) {
+      consume(D, arrive, (same_host(src, dst) ? cl_.local : cl_.nic).overhead_s);
+      ++counter(D.got_from, src);
       advance(dst);
     } else {
-      D.early.push_back({m.src, m.step, m.index, arrive});
+      D.early.push_back({m.src, m.ordinal, arrive});
     }
   }
+
+  // An exchange keeps what it sends apart from what it adds into: a lossy codec decodes its wire
+  // image back into place, fp32 copies the span (costed as a decode-add: both stream it through
+  // memory once more).
+  double exchange_copy_s() const noexcept { return codec_.identity ? codec_.rates.decode_add_s : codec_.rates.decode_s; }
 
   cluster cl_;
   codec_model codec_;

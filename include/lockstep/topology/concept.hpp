@@ -12,11 +12,15 @@
 //   t.symmetry(size)                a grid_symmetry (topology/symmetry.hpp): every rank's schedule
 //                                   is rank 0's with the peers translated on an R x C grid; the
 //                                   simulator then runs one rank instead of all of them
-// all_reduce is reduce_scatter followed by all_gather; broadcast is scatter_from(root) followed by
-// all_gather. Topologies are small values (torus2d carries its shape).
+//   t.all_reduce(rank, size)        an all-reduce schedule of its own (recursive doubling), used
+//                                   instead of reduce_scatter followed by all_gather
+//   t.broadcast(root, rank, size)   a broadcast schedule of its own (a binomial tree), used
+//                                   instead of scatter_from(root) followed by all_gather
+// Topologies are small values (torus2d carries its shape).
 #pragma once
 
 #include <concepts>
+#include <cstdint>
 #include <string>
 
 #include "schedule.hpp"
@@ -31,8 +35,22 @@ concept topology = requires(const T& t, int rank, int size) {
   t.validate(size);
 };
 
+// A topology chosen per call (topology::automatic): it names itself so, and the collectives ask
+// it for a concrete topology per call (collective/collectives.hpp); the rest of the library sees
+// only the concrete one.
+template <class T>
+concept per_call = requires { typename T::chooses_per_call; };
+
+// The operation a per-call choice is for (each has its own schedule).
+enum class operation : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast };
+
+// What the collectives accept: a topology, or one chosen per call.
+template <class T>
+concept topology_policy = topology<T> || per_call<T>;
+
 template <topology T>
 schedule all_reduce_schedule(const T& t, int rank, int size) {
+  if constexpr (requires { { t.all_reduce(rank, size) } -> std::same_as<schedule>; }) return t.all_reduce(rank, size);
   schedule s = t.reduce_scatter(rank, size);
   s.append(t.all_gather(rank, size));
   return s;
@@ -40,6 +58,8 @@ schedule all_reduce_schedule(const T& t, int rank, int size) {
 
 template <topology T>
 schedule broadcast_schedule(const T& t, int root, int rank, int size) {
+  if constexpr (requires { { t.broadcast(root, rank, size) } -> std::same_as<schedule>; })
+    return t.broadcast(root, rank, size);
   schedule s = scatter_from(root, rank, size);
   s.append(t.all_gather(rank, size));
   return s;

@@ -4,7 +4,10 @@
 // The buffer is cut into `chunks` equal pieces (chunk c of n elements covers
 // [c*n/chunks, (c+1)*n/chunks)). One step of one rank sends a contiguous span of chunks to one
 // peer and receives a span from another, then either adds what it received into its own copy
-// (reduce) or overwrites its copy with it (copy). A step never receives into chunks it is sending.
+// (reduce) or overwrites its copy with it (copy). A step never receives into chunks it is sending,
+// except in an *exchange* (is_exchange): a reduce step whose send and receive peer are one rank and
+// whose spans are one span. Both ends then send their values of the span as they were before the
+// step and each ends with the sum of the two, the same bits on both (recursive doubling).
 #pragma once
 
 #include <cstdint>
@@ -42,12 +45,18 @@ struct step {
   enum phase phase = phase::all_gather;
 };
 
+// Both ends of an exchange send the same span to each other and add what they receive.
+constexpr bool is_exchange(const step& st) noexcept {
+  return st.act == action::reduce && st.send_peer >= 0 && st.send_peer == st.recv_peer && st.send == st.recv;
+}
+
 struct schedule {
   int rank = 0;
   int size = 1;
   std::uint32_t chunks = 1;
   std::vector<step> steps;
-  chunk_span owned;  // what this rank holds reduced after the reduce-scatter steps
+  chunk_span owned;  // what this rank holds reduced after the reduce-scatter steps (may be empty:
+                     // a rank folded out of recursive doubling receives its result whole)
 
   schedule& append(const schedule& next) {
     steps.insert(steps.end(), next.steps.begin(), next.steps.end());
@@ -62,11 +71,15 @@ struct schedule {
       return o.str();
     };
     os << "rank " << s.rank << " of " << s.size << ", " << s.chunks << " chunks, owns "
-       << span(s.owned) << "\n";
+       << (s.owned.empty() ? std::string("nothing") : span(s.owned)) << "\n";
     for (std::size_t i = 0; i < s.steps.size(); ++i) {
       const step& st = s.steps[i];
       const char* ph = st.phase == phase::reduce_scatter ? "rs" : st.phase == phase::all_gather ? "ag" : "sc";
       os << "  " << i << " [" << ph << "]";
+      if (is_exchange(st)) {
+        os << " exchange " << span(st.send) << " <-> " << st.send_peer << " (reduce)\n";
+        continue;
+      }
       if (st.send_peer >= 0) os << " send " << span(st.send) << " -> " << st.send_peer << ";";
       if (st.recv_peer >= 0)
         os << " recv " << span(st.recv) << " <- " << st.recv_peer << " ("

@@ -1,0 +1,371 @@
+// lockstep-bench-hybrid: one training step of the big FC head (Krizhevsky's "one weird trick"
+// setting: features F -> H1 -> H2 -> NC, ReLU between), data-parallel against hybrid, with the bytes
+// every rank puts on the wire per step (transport::counting) and the step time.
+//
+//   lockstep-bench-hybrid [--ranks 4] [--batch 32] [--features 2048] [--fc 4096,4096] [--classes 10]
+//                         [--modes dp-fp32,dp-dyntree8,a-fp32,b-dyntree8,...] [--iters 5] [--threads T] [--json]
+//                         [--predict-gbit G [--latency-us A] [--exchange-efficiency E]]
+//   mpirun -np 4 lockstep-bench-hybrid --transport mpi ...       (bench/netlab --bench-args runs this)
+//
+// Modes: dp-<codec>: every rank holds the whole head, computes on its --batch rows and all-reduces
+// the head's gradients (one async all-reduce per layer as backward produces it, ring, <codec>);
+// <a|b|c>-<codec>: parallel::column_linear (fc1) and row_linear (fc2) with scheme gather_all /
+// by_rank / by_slice and <codec> activations, the classifier data-parallel (its gradients
+// all-reduced in fp32). Same global batch (ranks x --batch) in every mode. The convolutions of the
+// model, identical in both modes and about 1% of the bytes, are not part of this step. Products
+// on oneDNN (dnnl_sgemm). Times: median over --iters steps after one warm-up step; bytes: one
+// step, data and headers, this rank's sends (the same on every rank up to the uneven splits).
+// --predict-gbit: beside each row the simulator's step (sim/hybrid.hpp) on links of G Gbit/s
+// (default α 0 and η 0.699, netlab's fit in docs/scaling.md), with the products at the rate this
+// rank measures while every rank multiplies, and the codecs' measured rates.
+#include <lockstep/lockstep.hpp>
+#include <lockstep/sim/hybrid.hpp>
+#include <lockstep/transport/counting.hpp>
+
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if LOCKSTEP_HAVE_MPI
+#include <lockstep/transport/mpi.hpp>
+#endif
+
+using namespace lockstep;
+
+namespace {
+
+struct options {
+  std::string transport = "inproc";
+  int ranks = 4;
+  std::size_t batch = 32, F = 2048, H1 = 4096, H2 = 4096, NC = 10;
+  std::vector<std::string> modes = {"dp-fp32", "dp-dyntree8", "a-fp32", "a-dyntree8", "b-fp32", "b-dyntree8", "c-fp32",
+                                    "c-int8", "c-dyntree8"};
+  int iters = 5;
+  int threads = 0;  // oneDNN (OpenMP) threads per rank; 0: hardware threads / ranks, at least 1
+  double predict_gbit = 0;  // > 0: also the simulator's step (sim/hybrid.hpp) on links of this rate
+  double latency_us = 0, exchange_efficiency = 0.699;  // netlab's fitted link (docs/scaling.md)
+  bool json = false;
+};
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) out.push_back(x);
+  return out;
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "lockstep-bench-hybrid: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--transport") o.transport = next();
+    else if (a == "--ranks") o.ranks = std::atoi(next().c_str());
+    else if (a == "--batch") o.batch = std::strtoull(next().c_str(), nullptr, 10);
+    else if (a == "--features") o.F = std::strtoull(next().c_str(), nullptr, 10);
+    else if (a == "--fc") {
+      const auto v = split_list(next());
+      if (v.size() != 2) std::fprintf(stderr, "lockstep-bench-hybrid: --fc wants H1,H2\n"), std::exit(2);
+      o.H1 = std::strtoull(v[0].c_str(), nullptr, 10), o.H2 = std::strtoull(v[1].c_str(), nullptr, 10);
+    } else if (a == "--classes") o.NC = std::strtoull(next().c_str(), nullptr, 10);
+    else if (a == "--modes") o.modes = split_list(next());
+    else if (a == "--iters") o.iters = std::max(1, std::atoi(next().c_str()));
+    else if (a == "--threads") o.threads = std::atoi(next().c_str());
+    else if (a == "--predict-gbit") o.predict_gbit = std::atof(next().c_str());
+    else if (a == "--latency-us") o.latency_us = std::atof(next().c_str());
+    else if (a == "--exchange-efficiency") o.exchange_efficiency = std::atof(next().c_str());
+    else if (a == "--json") o.json = true;
+    else if (a == "--help" || a == "-h") {
+      std::printf("usage: lockstep-bench-hybrid [--transport inproc|mpi] [--ranks N] [--batch B] [--features F]\n"
+                  "       [--fc H1,H2] [--classes NC] [--modes dp-fp32,a-dyntree8,...] [--iters N] [--json]\n");
+      std::exit(0);
+    } else {
+      std::fprintf(stderr, "lockstep-bench-hybrid: unknown flag %s (--help)\n", a.c_str());
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
+void sgemm(const parallel::gemm_args& a) {
+  if (a.m == 0 || a.n == 0) return;
+  if (dnnl_sgemm(a.trans_a ? 'T' : 'N', a.trans_b ? 'T' : 'N', static_cast<dnnl_dim_t>(a.m), static_cast<dnnl_dim_t>(a.n),
+                 static_cast<dnnl_dim_t>(a.k), 1.0f, a.a, static_cast<dnnl_dim_t>(a.lda), a.b,
+                 static_cast<dnnl_dim_t>(a.ldb), a.beta, a.c, static_cast<dnnl_dim_t>(a.ldc)) != dnnl_success)
+    throw std::runtime_error("dnnl_sgemm failed");
+}
+
+void relu_fwd(float* y, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) y[i] = y[i] > 0 ? y[i] : 0;
+}
+void relu_bwd(float* dy, const float* y, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (!(y[i] > 0)) dy[i] = 0;
+}
+
+float value(std::uint64_t seed, std::size_t i) {
+  std::uint64_t z = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<double>(z >> 11) * 0x1p-53 - 0.5) * 0.05f;
+}
+
+struct row {
+  std::string mode;
+  double step_ms = 0;
+  transport::traffic sent;
+  double predicted_ms = 0;  // the simulator's, with --predict-gbit
+};
+
+// The products' rate on this rank while every rank computes (they share the cores as in a step):
+// fc1's forward product of the whole batch's rows against one rank's columns, three times.
+template <class G>
+double measure_flops(G& g, const options& o) {
+  const std::size_t m = o.batch * static_cast<std::size_t>(g.size()), n = std::max<std::size_t>(1, o.H1 / g.size()), k = o.F;
+  std::vector<float> a(m * k, 0.01f), b(k * n, 0.01f), c(m * n);
+  sgemm({false, false, m, n, k, a.data(), k, b.data(), n, 0, c.data(), n});
+  barrier(g);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 3; ++i) sgemm({false, false, m, n, k, a.data(), k, b.data(), n, 0, c.data(), n});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  barrier(g);
+  return 3 * 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / s;
+}
+
+template <class C>
+sim::codec_model model_with_rates(const C& c) {
+  return sim::model_of(c, c.identity ? sim::codec_rates{} : sim::measure_rates(c, std::size_t{1} << 20, 2));
+}
+
+// The simulator's step for `mode` on the links of --predict-gbit.
+template <class G>
+double predict_ms(G& g, const options& o, const std::string& mode, double flops) {
+  sim::cluster cl;
+  cl.nic = {o.latency_us * 1e-6, o.predict_gbit * 1e9 / 8, o.exchange_efficiency};
+  cl.segment_bytes = G::transport_type::segment_bytes;
+  cl.segments_ahead = sim::cluster::as_executor;
+  const sim::fc_head h{g.size(), o.batch, o.F, o.H1, o.H2, o.NC};
+  const auto dash = mode.find('-');
+  const std::string kind = mode.substr(0, dash), cname = mode.substr(dash + 1);
+  const sim::codec_model f32 = sim::model_of(codec::fp32{});
+  sim::codec_model c = f32;
+  if (cname == "bf16") c = model_with_rates(codec::bf16{});
+  else if (cname == "int8") c = model_with_rates(codec::int8{});
+  else if (cname == "dyntree8") c = model_with_rates(codec::dyntree8{});
+  sim::step_estimate e;
+  if (kind == "dp") e = sim::data_parallel_step(cl, c, h, flops);
+  else if (kind == "a") e = sim::hybrid_step<parallel::gather_all>(cl, c, f32, h, flops);
+  else if (kind == "b") e = sim::hybrid_step<parallel::by_rank>(cl, c, f32, h, flops);
+  else e = sim::hybrid_step<parallel::by_slice>(cl, c, f32, h, flops);
+  return e.step_s * 1e3;
+}
+
+template <class G, class Step>
+row time_steps(G& g, const options& o, Step& step, const std::string& mode) {
+  step();  // warm-up: primitives, scratch, first touch
+  barrier(g);
+  g.transport().reset();
+  std::vector<double> ms;
+  for (int i = 0; i < o.iters; ++i) {
+    barrier(g);
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    barrier(g);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  row r{mode, 0, g.transport().sent()};
+  // per step, and less the barriers' own (fp32, one value per rank) traffic, counted separately
+  r.sent.bytes /= static_cast<std::uint64_t>(o.iters);
+  r.sent.messages /= static_cast<std::uint64_t>(o.iters);
+  r.sent.header_bytes /= static_cast<std::uint64_t>(o.iters);
+  r.sent.header_messages /= static_cast<std::uint64_t>(o.iters);
+  std::sort(ms.begin(), ms.end());
+  r.step_ms = ms[ms.size() / 2];
+  return r;
+}
+
+// One mode's steps on this rank. The codec of the gradients (dp) or of the activations (hybrid).
+template <class G, class C>
+row run_dp(G& g, const options& o, C codec, const std::string& mode) {
+  const std::size_t B = o.batch, F = o.F, H1 = o.H1, H2 = o.H2, NC = o.NC;
+  std::vector<float> x(B * F), w1(F * H1), w2(H1 * H2), w3(H2 * NC), h1(B * H1), h2(B * H2), y(B * NC);
+  std::vector<float> g1(F * H1), g2(H1 * H2), g3(H2 * NC), d2(B * H2), d1(B * H1), dx(B * F);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = value(1 + g.rank(), i);
+  for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = value(2, i);
+  for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = value(3, i);
+  for (std::size_t i = 0; i < w3.size(); ++i) w3[i] = value(4, i);
+  auto step = [&] {
+    sgemm({false, false, B, H1, F, x.data(), F, w1.data(), H1, 0, h1.data(), H1});
+    relu_fwd(h1.data(), h1.size());
+    sgemm({false, false, B, H2, H1, h1.data(), H1, w2.data(), H2, 0, h2.data(), H2});
+    relu_fwd(h2.data(), h2.size());
+    sgemm({false, false, B, NC, H2, h2.data(), H2, w3.data(), NC, 0, y.data(), NC});
+    // dlogits: y itself stands in for the loss gradient (the work is what is timed)
+    std::vector<request> r;
+    sgemm({true, false, H2, NC, B, h2.data(), H2, y.data(), NC, 0, g3.data(), NC});
+    sgemm({false, true, B, H2, NC, y.data(), NC, w3.data(), NC, 0, d2.data(), H2});
+    r.push_back(all_reduce_async(g, std::span<float>(g3), topology::ring{}, codec, reduce_op::average));
+    relu_bwd(d2.data(), h2.data(), d2.size());
+    sgemm({true, false, H1, H2, B, h1.data(), H1, d2.data(), H2, 0, g2.data(), H2});
+    sgemm({false, true, B, H1, H2, d2.data(), H2, w2.data(), H2, 0, d1.data(), H1});
+    r.push_back(all_reduce_async(g, std::span<float>(g2), topology::ring{}, codec, reduce_op::average));
+    relu_bwd(d1.data(), h1.data(), d1.size());
+    sgemm({true, false, F, H1, B, x.data(), F, d1.data(), H1, 0, g1.data(), H1});
+    sgemm({false, true, B, F, H1, d1.data(), H1, w1.data(), H1, 0, dx.data(), F});
+    r.push_back(all_reduce_async(g, std::span<float>(g1), topology::ring{}, codec, reduce_op::average));
+    for (auto& q : r) q.wait();
+  };
+  return time_steps(g, o, step, mode);
+}
+
+template <class S, class G, class C>
+row run_hybrid(G& g, const options& o, C codec, const std::string& mode) {
+  using Tr = typename G::transport_type;
+  const std::size_t B = o.batch, F = o.F, H2 = o.H2, NC = o.NC;
+  parallel::column_linear<S, Tr, C> fc1(g, F, o.H1, codec);
+  parallel::row_linear<S, Tr, C> fc2(g, o.H1, H2, codec);
+  const std::size_t n = fc1.cols();
+  std::vector<float> x(B * F), w1(F * n), w2(n * H2), w3(H2 * NC), h2(B * H2), y(B * NC);
+  std::vector<float> g1(F * n), g2(n * H2), g3(H2 * NC), d2(B * H2), dx(B * F), dh1;
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = value(1 + g.rank(), i);
+  for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = value(2, i);
+  for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = value(3, i);
+  for (std::size_t i = 0; i < w3.size(); ++i) w3[i] = value(4, i);
+  codec::fp32 c32;
+  auto step = [&] {
+    auto h1 = fc1.forward(std::span<const float>(x), std::span<const float>(w1), sgemm);
+    relu_fwd(h1.data(), h1.size());
+    auto y2 = fc2.forward(h1, B, std::span<const float>(w2), sgemm);
+    std::copy(y2.begin(), y2.end(), h2.begin());
+    relu_fwd(h2.data(), h2.size());
+    sgemm({false, false, B, NC, H2, h2.data(), H2, w3.data(), NC, 0, y.data(), NC});
+    sgemm({true, false, H2, NC, B, h2.data(), H2, y.data(), NC, 0, g3.data(), NC});
+    sgemm({false, true, B, H2, NC, y.data(), NC, w3.data(), NC, 0, d2.data(), H2});
+    auto r = all_reduce_async(g, std::span<float>(g3), topology::ring{}, c32, reduce_op::average);
+    relu_bwd(d2.data(), h2.data(), d2.size());
+    dh1.resize(h1.size());
+    fc2.backward(h1, std::span<const float>(d2), std::span<const float>(w2), std::span<float>(g2), std::span<float>(dh1), sgemm);
+    relu_bwd(dh1.data(), h1.data(), dh1.size());
+    fc1.backward(std::span<const float>(dh1), std::span<const float>(w1), std::span<float>(g1), std::span<float>(dx), sgemm);
+    r.wait();
+  };
+  return time_steps(g, o, step, mode);
+}
+
+template <class G>
+row run_mode_measured(G& g, const options& o, const std::string& mode);
+
+template <class G>
+row run_mode(G& g, const options& o, const std::string& mode, double flops) {
+  row r = run_mode_measured(g, o, mode);
+  if (o.predict_gbit > 0) r.predicted_ms = predict_ms(g, o, mode, flops);
+  return r;
+}
+
+template <class G>
+row run_mode_measured(G& g, const options& o, const std::string& mode) {
+  const auto dash = mode.find('-');
+  const std::string kind = mode.substr(0, dash), cname = dash == std::string::npos ? "fp32" : mode.substr(dash + 1);
+  auto with_codec = [&](auto&& f) -> row {
+    if (cname == "fp32") return f(codec::fp32{});
+    if (cname == "bf16") return f(codec::bf16{});
+    if (cname == "int8") return f(codec::int8{});
+    if (cname == "dyntree8") return f(codec::dyntree8{});
+    throw std::invalid_argument("unknown codec in mode " + mode);
+  };
+  if (kind == "dp") return with_codec([&](auto c) { return run_dp(g, o, c, mode); });
+  if (kind == "a") return with_codec([&](auto c) { return run_hybrid<parallel::gather_all>(g, o, c, mode); });
+  if (kind == "b") return with_codec([&](auto c) { return run_hybrid<parallel::by_rank>(g, o, c, mode); });
+  if (kind == "c") return with_codec([&](auto c) { return run_hybrid<parallel::by_slice>(g, o, c, mode); });
+  throw std::invalid_argument("unknown mode " + mode + " (dp-, a-, b-, c- followed by a codec)");
+}
+
+void report(const options& o, const std::vector<row>& rows, const std::string& transport_name, int ranks) {
+  double dp_ms = 0, dp_bytes = 0;
+  for (const auto& r : rows)
+    if (r.mode == "dp-fp32") dp_ms = r.step_ms, dp_bytes = static_cast<double>(r.sent.bytes + r.sent.header_bytes);
+  if (o.json) {
+    for (const auto& r : rows)
+      std::printf("{\"bench\":\"hybrid\",\"transport\":\"%s\",\"ranks\":%d,\"batch\":%zu,\"features\":%zu,\"h1\":%zu,"
+                  "\"h2\":%zu,\"mode\":\"%s\",\"step_ms\":%.3f,\"predicted_ms\":%.3f,\"bytes\":%llu,\"messages\":%llu,"
+                  "\"header_bytes\":%llu}\n",
+                  transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms, r.predicted_ms,
+                  static_cast<unsigned long long>(r.sent.bytes), static_cast<unsigned long long>(r.sent.messages),
+                  static_cast<unsigned long long>(r.sent.header_bytes));
+    return;
+  }
+  std::printf("%d ranks (%s), batch %zu per rank, head %zu -> %zu -> %zu -> %zu; rank 0's sends per step\n", ranks,
+              transport_name.c_str(), o.batch, o.F, o.H1, o.H2, o.NC);
+  std::printf("%-12s %10s %8s %10s %14s %10s %8s\n", "mode", "step ms", "x dp32", "sim ms", "bytes sent", "x dp32", "msgs");
+  for (const auto& r : rows) {
+    const double b = static_cast<double>(r.sent.bytes + r.sent.header_bytes);
+    std::printf("%-12s %10.2f %8.3f %10.2f %14.0f %10.4f %8llu\n", r.mode.c_str(), r.step_ms, dp_ms > 0 ? r.step_ms / dp_ms : 0.0,
+                r.predicted_ms, b,
+                dp_bytes > 0 ? b / dp_bytes : 0.0, static_cast<unsigned long long>(r.sent.messages + r.sent.header_messages));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  try {
+    if (o.transport == "mpi") {
+#if LOCKSTEP_HAVE_MPI
+      transport::mpi_session session(&argc, &argv);
+      using counted = transport::counting<transport::mpi>;
+      group<counted> g(counted(transport::mpi(MPI_COMM_WORLD)));
+      // netlab's hosts share this machine's cores: hardware threads / ranks each, as in-process
+      omp_set_num_threads(o.threads > 0 ? o.threads
+                                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / g.size()));
+      std::vector<row> rows;
+      const double flops = o.predict_gbit > 0 ? measure_flops(g, o) : 0;
+      for (const auto& m : o.modes) rows.push_back(run_mode(g, o, m, flops));
+      if (g.rank() == 0) report(o, rows, "mpi", g.size());
+      return 0;
+#else
+      std::fprintf(stderr, "lockstep-bench-hybrid: built without MPI\n");
+      return 2;
+#endif
+    }
+    using counted = transport::counting<transport::inproc>;
+    auto world = transport::inproc::make_world(o.ranks);
+    std::vector<row> rows;
+    std::mutex m;
+    const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / o.ranks);
+    transport::detail::run_ranks(o.ranks, *world, [&](int r) {
+      omp_set_num_threads(threads);
+      group<counted> g(counted(transport::inproc(world, r)));
+      std::vector<row> mine;
+      const double flops = o.predict_gbit > 0 ? measure_flops(g, o) : 0;
+      for (const auto& mode : o.modes) mine.push_back(run_mode(g, o, mode, flops));
+      if (r == 0) {
+        std::lock_guard lk(m);
+        rows = mine;
+      }
+    });
+    report(o, rows, "inproc", o.ranks);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep-bench-hybrid: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,88 @@
+// lockstep/parallel/row_linear.hpp: a fully connected layer split by input rows (Megatron's
+// row-parallel linear), the layer after a column_linear: its input is already split by features,
+// so nothing is gathered going forward, and a stack column -> row -> ... all-reduces no FC weights.
+//
+// Shapes (row-major): K ranks, rank k holds B_k rows of the batch, B = sum B_k; rank k owns input
+// features [f_k, f_k + m_k) of W (in x out), split as column_linear splits its columns, so
+// column_linear(in0, in) -> row_linear(in, out) chain slice for slice.
+//   forward:  H_k (B x m_k: the previous layer's columns for all rows)
+//             Y = sum_j H_j · W_j, this rank's rows (B_k x out), reduced over ranks round by round
+//   backward: dy (B_k x out, this rank's rows) -> dY (B x out, every rank's rows, moved by the
+//             scheme);  dH_k = dY · W_kᵀ (B x m_k), computed round by round as dY arrives;
+//             dW_k = H_kᵀ · dY (in-slice x out), local
+// No bias: Y is complete only after the reduction, so the caller adds a bias replicated on every
+// rank (and all-reduces its gradient data-parallel, like a convolution's).
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "../codec/fp32.hpp"
+#include "../topology/ring.hpp"
+#include "exchange.hpp"
+#include "gemm.hpp"
+#include "layer_base.hpp"
+
+namespace lockstep::parallel {
+
+template <scheme S, transport::transport Tr, codec::codec C = codec::fp32, topology::topology T = topology::ring>
+class row_linear : public detail::layer_base<S, Tr, C, T> {
+  using base = detail::layer_base<S, Tr, C, T>;
+
+ public:
+  row_linear(group<Tr>& g, std::size_t in, std::size_t out, C codec = {}, T topo = {})
+      : base(g, layer_kind::row_split, "row_linear", in, out, in, codec, topo) {}
+
+  std::size_t in_rows() const noexcept { return this->slice_size(); }
+  std::size_t first_in_row() const noexcept { return this->slice_first(); }
+
+  // h: H_k (B x in_rows) for all ranks' rows; rows: how many of them are this rank's (B_k);
+  // w: W_k (in_rows x out). Returns this rank's rows of Y (B_k x out), owned by the layer until the
+  // next forward.
+  template <matmul M>
+  std::span<float> forward(std::span<const float> h, std::size_t rows, std::span<const float> w, M&& mm) {
+    const std::size_t m_k = in_rows(), out = this->out();
+    this->expect(w.size(), m_k * out, "weights W_k (in_rows x out)");
+    this->b_ = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
+    const std::size_t B = this->b_.total();
+    this->expect(h.size(), B * m_k, "input H_k (all ranks' rows x in_rows)");
+    y_.assign(rows * out, 0.0f);
+    detail::reduce_rows(
+        this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), m_k, h, out, std::span<float>(y_),
+        [&](const float* hr, std::size_t m, float* p) {  // partial Y rows = H_k rows · W_k
+          detail::run_gemm(mm, {false, false, m, out, m_k, hr, m_k, w.data(), out, 0.0f, p, out});
+        },
+        [] {});
+    return y_;
+  }
+
+  // h: the forward's H_k; dy: this rank's rows of dY (B_k x out); w: W_k; dw: dW_k (in_rows x out),
+  // overwritten; dh: dH_k (B x in_rows), overwritten.
+  template <matmul M>
+  void backward(std::span<const float> h, std::span<const float> dy, std::span<const float> w, std::span<float> dw,
+                std::span<float> dh, M&& mm) {
+    this->need_forward();
+    const std::size_t m_k = in_rows(), out = this->out(), B = this->b_.total();
+    const std::size_t rows = this->b_.rows[static_cast<std::size_t>(this->g_.rank())];
+    this->expect(h.size(), B * m_k, "input H_k (all ranks' rows x in_rows)");
+    this->expect(dy.size(), rows * out, "output gradient dy (this rank's rows x out)");
+    this->expect(w.size(), m_k * out, "weights W_k (in_rows x out)");
+    this->expect(dw.size(), m_k * out, "weight gradient dW_k (in_rows x out)");
+    this->expect(dh.size(), B * m_k, "input gradient dH_k (all ranks' rows x in_rows)");
+    dy_all_.assign(B * out, 0.0f);
+    detail::gather_rows(this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), out, dy,
+                        std::span<float>(dy_all_), m_k, dh, [&](const float* dyr, std::size_t m, float* dhr) {
+                          detail::run_gemm(mm, {false, true, m, m_k, out, dyr, out, w.data(), out, 0.0f, dhr, m_k});
+                        });
+    detail::run_gemm(mm, {true, false, m_k, out, B, h.data(), m_k, dy_all_.data(), out, 0.0f, dw.data(), out});
+  }
+
+  // dY as every rank used it in the last backward: B x out, rank-major.
+  std::span<const float> output_gradients() const noexcept { return dy_all_; }
+
+ private:
+  std::vector<float> y_;       // (B_k, out)
+  std::vector<float> dy_all_;  // (B, out)
+};
+
+}  // namespace lockstep::parallel

@@ -1,0 +1,178 @@
+// lockstep/sim/hybrid.hpp: one training step of a column-split FC followed by a row-split FC
+// (parallel/), against the same layers data-parallel, modelled: every collective of the step is
+// simulated on its own schedule (simulator::run, per-rank counts as all_gather_v and
+// reduce_scatter_v cut them), and the products take flops / rate (the caller's measured matmul
+// rate). Two resources per rank, as the layers use them: the group's worker runs the collectives
+// one after another, the calling thread the products; parallel/exchange.hpp's order decides what
+// waits for what:
+//   gather phase (fc1 forward, fc2 backward): every round posted at once; round r's product starts
+//     when round r has arrived and round r-1's product is done;
+//   reduce phase (fc1 backward, fc2 forward): round r's product, then its collective, which starts
+//     when the product is done and round r-1's collective is; `overlap` work (dW) after the last
+//     product.
+// Broadcasts (by_rank's gather rounds) are the root's scatter in closed form plus the simulated
+// all-gather. What it leaves out: the products and the codec work competing for one core, the descriptor's
+// latency beyond one small all-gather, and the classifier (replicated, tiny) beyond its product
+// and one all-reduce. Ranks are taken to hold equal rows, so the slowest rank is any rank.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "../collective/executor.hpp"
+#include "../parallel/scheme.hpp"
+#include "../topology/ring.hpp"
+#include "simulator.hpp"
+
+namespace lockstep::sim {
+
+struct fc_head {
+  int ranks = 4;
+  std::size_t rows = 32;  // per rank
+  std::size_t F = 2048, H1 = 4096, H2 = 4096, NC = 10;
+};
+
+struct step_estimate {
+  double step_s = 0;
+  double compute_s = 0;  // products alone
+  double comm_s = 0;     // collectives alone, back to back
+};
+
+namespace detail {
+
+inline double collective_s(const cluster& cl, const codec_model& c, int K, std::size_t n,
+                           const std::function<topology::schedule(int)>& sched, bool finalize,
+                           std::span<const std::size_t> offsets = {}) {
+  if (K < 2 || n == 0) return 0.0;
+  simulator s(cl, c);
+  return s.run(K, n, sched, finalize, offsets).time_s;
+}
+
+// One round's collective: a gather (all_gather_v, or a broadcast from the one rank taking part)
+// or a reduce (reduce_scatter_v) of `width` values per row.
+inline double round_s(const cluster& cl, const codec_model& c, int K, const parallel::round_blocks& r, std::size_t width,
+                      bool gather) {
+  std::vector<std::size_t> off(static_cast<std::size_t>(K) + 1, 0);
+  int contributors = 0, root = -1;
+  for (int k = 0; k < K; ++k) {
+    const std::size_t m = r[static_cast<std::size_t>(k)].size();
+    off[static_cast<std::size_t>(k) + 1] = off[static_cast<std::size_t>(k)] + m * width;
+    if (m) ++contributors, root = k;
+  }
+  const std::size_t n = off.back();
+  const topology::ring ring;
+  if (gather && contributors == 1) {
+    // broadcast = the root's scatter (K - 1 chunks, one after another out of its NIC) + the ring's
+    // all-gather. The simulator matches a message to its step number, and the root's k-th scatter
+    // send meets its receiver's first step, so the scatter is costed here in closed form.
+    (void)root;
+    const double chunk_bytes = static_cast<double>(c.message_bytes((n + static_cast<std::size_t>(K) - 1) / static_cast<std::size_t>(K)));
+    const double scatter = (K - 1) * (cl.nic.latency_s + chunk_bytes / cl.nic.bandwidth_Bps);
+    return scatter + collective_s(cl, c, K, n, [&](int q) { return ring.all_gather(q, K); }, true);
+  }
+  if (gather) return collective_s(cl, c, K, n, [&](int q) { return ring.all_gather(q, K); }, true, off);
+  return collective_s(cl, c, K, n, [&](int q) { return ring.reduce_scatter(q, K); }, false, off);
+}
+
+struct timeline {
+  double compute = 0, comm = 0;  // when each resource is next free
+  double computing = 0, communicating = 0;
+};
+
+// rounds: rows per round (m), the round's collective time, its product's seconds.
+inline void gather_phase(timeline& t, const std::vector<double>& comm, const std::vector<double>& work) {
+  double c = std::max(t.comm, t.compute);
+  for (std::size_t r = 0; r < comm.size(); ++r) {
+    c += comm[r];
+    t.compute = std::max(t.compute, c) + work[r];
+    t.communicating += comm[r], t.computing += work[r];
+  }
+  t.comm = c;
+}
+inline void reduce_phase(timeline& t, const std::vector<double>& work, const std::vector<double>& comm, double overlap) {
+  t.compute = std::max(t.compute, t.comm);
+  for (std::size_t r = 0; r < comm.size(); ++r) {
+    t.compute += work[r];
+    t.comm = std::max(t.comm, t.compute) + comm[r];
+    t.communicating += comm[r], t.computing += work[r];
+  }
+  t.compute += overlap;
+  t.computing += overlap;
+}
+
+}  // namespace detail
+
+// The hybrid step of parallel::column_linear (F -> H1) + row_linear (H1 -> H2) with scheme S and
+// activations in `act`, then the replicated classifier (H2 -> NC, its gradients all-reduced in fp32).
+template <parallel::scheme S>
+step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec_model& fp32, const fc_head& h,
+                          double flops_per_s) {
+  const int K = h.ranks;
+  const std::vector<std::size_t> rows(static_cast<std::size_t>(K), h.rows);
+  const auto rounds = S::rounds(rows);
+  const std::size_t B = h.rows * static_cast<std::size_t>(K);
+  const double n_k = static_cast<double>(h.H1) / K;  // columns of fc1, input rows of fc2, per rank
+  auto mm = [&](double m, double n, double k) { return 2.0 * m * n * k / flops_per_s; };
+  std::vector<double> g_fwd, w1, r_fwd, w2, g_bwd, w3, r_bwd, w4;
+  for (const auto& r : rounds) {
+    std::size_t m = 0;
+    for (const auto& b : r) m += b.size();
+    const double md = static_cast<double>(m);
+    g_fwd.push_back(detail::round_s(cl, act, K, r, h.F, true));    // X rows
+    w1.push_back(mm(md, n_k, static_cast<double>(h.F)));            // Y_k = X W_k
+    w2.push_back(mm(md, static_cast<double>(h.H2), n_k));           // partial Y2 = H_k W2_k
+    r_fwd.push_back(detail::round_s(cl, act, K, r, h.H2, false));   // Y2 to its rows' owners
+    g_bwd.push_back(detail::round_s(cl, act, K, r, h.H2, true));    // dY2 rows
+    w3.push_back(mm(md, n_k, static_cast<double>(h.H2)));           // dH_k = dY2 W2_kᵀ
+    w4.push_back(mm(md, static_cast<double>(h.F), n_k));           // dX partial = dY1_k W_kᵀ
+    r_bwd.push_back(detail::round_s(cl, act, K, r, h.F, false));    // dX to its rows' owners
+  }
+  const double Bd = static_cast<double>(B), rows_d = static_cast<double>(h.rows);
+  const double desc = detail::collective_s(cl, fp32, K, 10u * static_cast<std::size_t>(K),
+                                           [&](int q) { return topology::ring{}.all_gather(q, K); }, true);
+  const double classifier = 3 * mm(rows_d, static_cast<double>(h.NC), static_cast<double>(h.H2));
+  const double classifier_ar = detail::collective_s(cl, fp32, K, h.H2 * h.NC,
+                                                    [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
+  detail::timeline t;
+  t.comm = t.compute = desc;
+  detail::gather_phase(t, g_fwd, w1);
+  t.compute = t.comm = std::max(t.compute, t.comm) + desc;  // fc2's descriptor, after fc1's products
+  detail::reduce_phase(t, w2, r_fwd, 0.0);
+  t.compute = std::max(t.compute, t.comm) + classifier;
+  t.comm = std::max(t.comm, t.compute) + classifier_ar;  // overlapped with what follows
+  detail::gather_phase(t, g_bwd, w3);
+  t.compute += mm(n_k, static_cast<double>(h.H2), Bd);  // dW2 = H_kᵀ dY2
+  detail::reduce_phase(t, w4, r_bwd, mm(static_cast<double>(h.F), n_k, Bd));  // overlap: dW1 = Xᵀ dY1_k
+  step_estimate e;
+  e.step_s = std::max(t.compute, t.comm);
+  e.compute_s = t.computing + classifier + mm(n_k, static_cast<double>(h.H2), Bd);
+  e.comm_s = t.communicating + 2 * desc + classifier_ar;
+  return e;
+}
+
+// The same head data-parallel: every rank computes its rows through the whole head and all-reduces
+// each layer's gradients (codec `grads`) as backward produces them, one after another.
+inline step_estimate data_parallel_step(const cluster& cl, const codec_model& grads, const fc_head& h, double flops_per_s) {
+  const int K = h.ranks;
+  const double m = static_cast<double>(h.rows);
+  auto mm = [&](double a, double b, double c) { return 2.0 * a * b * c / flops_per_s; };
+  auto ar = [&](std::size_t n) {
+    return detail::collective_s(cl, grads, K, n, [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
+  };
+  const double F = static_cast<double>(h.F), H1 = static_cast<double>(h.H1), H2 = static_cast<double>(h.H2),
+               NC = static_cast<double>(h.NC);
+  const double fwd = mm(m, H1, F) + mm(m, H2, H1) + mm(m, NC, H2);
+  const double b3 = 2 * mm(m, NC, H2), b2 = 2 * mm(m, H2, H1), b1 = 2 * mm(m, H1, F);
+  const double a3 = ar(h.H2 * h.NC), a2 = ar(h.H1 * h.H2), a1 = ar(h.F * h.H1);
+  double compute = fwd + b3, comm = compute + a3;
+  compute += b2;
+  comm = std::max(comm, compute) + a2;
+  compute += b1;
+  comm = std::max(comm, compute) + a1;
+  return {std::max(compute, comm), fwd + b3 + b2 + b1, a1 + a2 + a3};
+}
+
+}  // namespace lockstep::sim

@@ -1,0 +1,196 @@
+// lockstep/topology/automatic.hpp: a topology chosen per call by the cost model.
+//
+//   topology::automatic a = calibrate_automatic(g);   // link measured on this group (collective/calibrate.hpp)
+//   all_reduce(g, grads, a, codec);                              // each call: the predicted fastest
+//
+// For every call, automatic asks the simulator (sim/simulator.hpp: the discrete-event run of the
+// topologies' own schedules, the executor's segments and send window) how long this operation
+// would take over each candidate — ring, torus2d (most square), halving_doubling,
+// recursive_doubling — and each candidate segment size, on the link it was given (alpha, beta,
+// eta) and the codec's measured gamma, and runs the fastest; ties go to the earlier candidate in
+// that order, and a segment size other than the group's wins only by segment_margin (10%). NCCL's tuner makes the same choice from tables; this one comes from the model the
+// simulator uses, so `lockstep-sim --explain` (or explain() here) prints the very numbers a call
+// compared.
+//
+// Every rank must choose alike: the choice is a pure function of the group size, the count, the
+// codec and the parameters held here, and calibrate_automatic() makes those identical on every
+// rank (the measurements are averaged over the group before the fit). A rank that still chose differently
+// (a different LOCKSTEP_TOPOLOGY, say) sends a different topology fingerprint or segment size in
+// its header, and the call fails with errc::mismatch naming both.
+//
+// LOCKSTEP_TOPOLOGY=ring|torus2d|halving_doubling|recursive_doubling forces one (with the group's
+// segment size); read on every choice.
+//
+// Choices are cached per (operation, group size, count, codec, segment of the group) in a table
+// the copies of one automatic share (a call copies its topology), so a training loop's buckets
+// pay the simulation once. Cost of a miss: a few simulations of every rank's schedule, up to
+// milliseconds at 64 ranks and 64 MiB.
+#pragma once
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../codec/concept.hpp"
+#include "../core/error.hpp"
+#include "../sim/cost_model.hpp"
+#include "../sim/fit.hpp"
+#include "../sim/simulator.hpp"
+#include "concept.hpp"
+#include "halving_doubling.hpp"
+#include "recursive_doubling.hpp"
+#include "ring.hpp"
+#include "torus2d.hpp"
+
+namespace lockstep::topology {
+
+// One candidate and what the model predicts for it.
+struct choice {
+  enum kind_t : std::uint8_t { ring, torus2d, halving_doubling, recursive_doubling } kind = ring;
+  std::size_t segment_bytes = 0;  // the call's segment; 0: the group's own
+  double predicted_s = 0;
+
+  static constexpr const char* name_of(kind_t k) noexcept {
+    switch (k) {
+      case ring: return "ring";
+      case torus2d: return "torus2d";
+      case halving_doubling: return "halving_doubling";
+      case recursive_doubling: return "recursive_doubling";
+    }
+    return "?";
+  }
+  const char* name() const noexcept { return name_of(kind); }
+};
+
+struct automatic {
+  // Marks a topology chosen per call (topology::per_call).
+  using chooses_per_call = void;
+
+  // The link every pair of ranks is taken to have (the simulator's defaults: 25 us, 1 Gbit/s)
+  // and gamma per codec name (codec.name(); a codec without an entry costs no compute).
+  sim::link_params link{};
+  std::map<std::string, sim::codec_rates> rates{};
+  // Segment sizes tried besides the group's own (host groups only: a stream sends a chunk whole).
+  std::vector<std::size_t> segment_choices{std::size_t{256} << 10, std::size_t{4} << 20};
+  // ... taken only where predicted faster than the best at the group's segment by this fraction.
+  double segment_margin = 0.10;
+
+  std::string name() const { return "automatic"; }
+  void validate(int size, int rank = -1) const {
+    if (size < 1) throw error(errc::invalid_argument, "automatic", rank, -1, "group size " + std::to_string(size));
+    forced(rank);
+  }
+
+  // Calls f with the topology a choice names (torus2d: the most square shape).
+  template <class F>
+  static decltype(auto) visit(choice::kind_t k, F&& f) {
+    switch (k) {
+      case choice::torus2d: return f(topology::torus2d{});
+      case choice::halving_doubling: return f(topology::halving_doubling{});
+      case choice::recursive_doubling: return f(topology::recursive_doubling{});
+      case choice::ring: break;
+    }
+    return f(topology::ring{});
+  }
+
+  // Every candidate for this call, in the order they are compared, each with its predicted time.
+  template <codec::codec C>
+  std::vector<choice> explain(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
+                              bool stream_ordered = false) const {
+    const auto it = rates.find(std::string(codec.name()));
+    return explain(op, size, count, sim::model_of(codec, it == rates.end() ? sim::codec_rates{} : it->second),
+                   group_segment, stream_ordered);
+  }
+  // The same for a codec the simulator knows by its model (lockstep-sim --explain); its own rates.
+  std::vector<choice> explain(operation op, int size, std::size_t count, const sim::codec_model& model,
+                              std::size_t group_segment, bool stream_ordered = false) const {
+    validate(size);
+    std::vector<std::size_t> segs{group_segment};
+    if (!stream_ordered)
+      for (std::size_t s : segment_choices)
+        if (s != group_segment && s > 0) segs.push_back(s);
+    std::vector<choice> out;
+    for (auto k : {choice::ring, choice::torus2d, choice::halving_doubling, choice::recursive_doubling})
+      for (std::size_t s : segs) {
+        sim::cluster cl;
+        cl.nic = link;
+        cl.segment_bytes = s;
+        cl.segments_ahead = sim::cluster::as_executor;
+        const double t = visit(k, [&](const auto& topo) { return predict(cl, model, topo, op, size, count); });
+        out.push_back({k, s == group_segment ? 0 : s, t});
+      }
+    return out;
+  }
+
+  // The choice for this call: forced by LOCKSTEP_TOPOLOGY, else the fastest prediction.
+  template <codec::codec C>
+  choice choose(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
+                bool stream_ordered = false) const {
+    if (auto f = forced(-1)) return {*f, 0, 0};
+    if (size <= 1) return {choice::ring, 0, 0};
+    const key k{op, size, count, std::string(codec.name()) + "#" + std::to_string(codec.id()), group_segment, stream_ordered};
+    {
+      std::lock_guard lk(cache_->m);
+      if (auto it = cache_->table.find(k); it != cache_->table.end()) return it->second;
+    }
+    const std::vector<choice> all = explain(op, size, count, codec, group_segment, stream_ordered);
+    choice best = all.front(), best_other = all.front();
+    bool other = false;
+    for (const choice& c : all) {
+      if (c.segment_bytes == 0 && c.predicted_s < best.predicted_s) best = c;
+      if (c.segment_bytes != 0 && (!other || c.predicted_s < best_other.predicted_s)) best_other = c, other = true;
+    }
+    // Another segment size only for a clear win: what segments overlap is the model's finest
+    // effect and what a message costs its least certain part (256 KiB segments it predicted 6%
+    // faster at 4 MiB ran 10..20% slower, docs/benchmarks.md).
+    if (other && best_other.predicted_s < best.predicted_s * (1 - segment_margin)) best = best_other;
+    std::lock_guard lk(cache_->m);
+    if (cache_->table.size() >= max_cached) cache_->table.clear();
+    cache_->table.emplace(k, best);
+    return best;
+  }
+
+
+ private:
+  template <class T>
+  static double predict(const sim::cluster& cl, const sim::codec_model& model, const T& topo, operation op, int size,
+                        std::size_t count) {
+    sim::simulator s(cl, model);
+    switch (op) {
+      case operation::all_reduce: return s.all_reduce(topo, size, count).time_s;
+      case operation::reduce_scatter:
+        return s.run(size, count, [&](int r) { return topo.reduce_scatter(r, size); }, false).time_s;
+      case operation::all_gather:
+        return s.run(size, count, [&](int r) { return topo.all_gather(r, size); }, true).time_s;
+      case operation::broadcast:
+        return s.run(size, count, [&](int r) { return broadcast_schedule(topo, 0, r, size); }, false).time_s;
+    }
+    return 0;
+  }
+
+  // LOCKSTEP_TOPOLOGY's choice; throws naming the value when it names no candidate.
+  static std::optional<choice::kind_t> forced(int rank) {
+    const char* e = std::getenv("LOCKSTEP_TOPOLOGY");
+    if (!e || !*e || std::string(e) == "automatic") return std::nullopt;
+    for (auto k : {choice::ring, choice::torus2d, choice::halving_doubling, choice::recursive_doubling})
+      if (std::string(e) == choice::name_of(k)) return k;
+    throw error(errc::invalid_argument, "automatic", rank, -1,
+                std::string("LOCKSTEP_TOPOLOGY=") + e + ": not ring, torus2d, halving_doubling, recursive_doubling or automatic");
+  }
+
+  using key = std::tuple<operation, int, std::size_t, std::string, std::size_t, bool>;
+  struct cache {
+    std::mutex m;
+    std::map<key, choice> table;
+  };
+  static constexpr std::size_t max_cached = 4096;
+  std::shared_ptr<cache> cache_ = std::make_shared<cache>();
+};
+
+}  // namespace lockstep::topology

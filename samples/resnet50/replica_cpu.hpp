@@ -1,0 +1,154 @@
+// samples/resnet50/replica_cpu.hpp: one replica of lockstep-train-resnet50 on the CPU: the oneDNN
+// model (model.hpp), its gradients averaged and applied by lockstep's bucketed fused step
+// (optim::begin_step), as the Fashion sample's replica_cpu.hpp does. The loop that drives it is
+// trainer.hpp's train_replica.
+//
+// Per step: forward; backward, and the moment a bucket (the classifier, a bottleneck, the stem) is
+// written its all-reduce starts with the update of that bucket's tensors as its epilogue, which
+// also writes the bf16 copy the convolutions read under --precision bf16 (backward never reads a
+// bucket's weights again once it is written); wait for the buckets.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include <lockstep/optim/bucket.hpp>
+#include <lockstep/optim/plan.hpp>
+#include <lockstep/optim/step.hpp>
+#include <lockstep/optim/state.hpp>
+
+#include "model.hpp"
+#include "trainer.hpp"
+
+namespace resnet {
+
+inline void set_threads(const options& o, int replicas) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  omp_set_num_threads(o.threads > 0 ? o.threads : std::max(1, hw / replicas));
+}
+
+// T: float (--precision fp32) or bf16_t (--precision bf16).
+template <class Group, class Topo, class Codec, class Opt, class T>
+class cpu_replica {
+ public:
+  static constexpr bool has_residuals = lockstep::codec::feedback_codec<Codec>;
+
+  cpu_replica(Group& world, const options& o, int classes, Topo topo, Codec& codec, Opt opt)
+      : world_(world),
+        topo_(topo),
+        codec_(codec),
+        opt_(opt),
+        m_(model_create<T>(model_config(o, classes), o.seed)),
+        ps_(tensor_descs(m_.L)),
+        st_(ps_, opt_) {
+    for (auto [first, last] : m_.L.buckets) buckets_.push_back({first, last});
+    set_threads(o, world.size());
+  }
+
+  float train_step(const float* images, const int* labels, int B, const bn_group& bng, float lr) {
+    const float loss = model_forward(m_, images, labels, B, bng, true);
+    std::span<std::uint16_t> bf;
+    if constexpr (!std::is_same_v<T, float>) bf = m_.params_bf16;
+    const lockstep::optim::plan<Opt> p{.opt = opt_, .params = ps_, .st = st_, .weights = m_.params,
+                                       .grads = m_.grads, .weights_bf16 = bf,
+                                       .average = lockstep::optim::averaging::in_collective};
+    auto s = lockstep::optim::begin_step(world_, topo_, codec_, p, buckets_, lr);
+    model_backward(m_, bng, [&](int k) { s.bucket_ready(static_cast<std::size_t>(k)); });
+    s.wait();
+    return loss;
+  }
+
+  // Forward with the running statistics over a batch of B; loss and hits of its first `valid` rows.
+  float evaluate(const float* images, const int* labels, int B, int valid, const bn_group& bng, int* top1, int* top5) {
+    std::vector<int> y(labels, labels + B);
+    for (int& v : y) v = std::max(v, 0);  // padding rows: any class, they are not counted
+    model_forward(m_, images, y.data(), B, bng, false);
+    *top5 = sample::topk_hits(m_.logits.data(), y.data(), valid, m_.cfg.classes, 5);
+    return sample::softmax_xent_forward(m_.probs.data(), top1, m_.logits.data(), y.data(), valid, m_.cfg.classes, 0.0f);
+  }
+
+  model<T>& net() { return m_; }
+  std::span<float> running() { return m_.running; }
+  std::vector<float> params() const { return m_.params; }
+  std::vector<float> momentum() const { return {st_.momentum().begin(), st_.momentum().end()}; }
+
+  std::vector<float> residuals() {
+    std::vector<float> mine;
+    if constexpr (has_residuals) {
+      mine.resize(Codec::state_floats(m_.params.size()));
+      float* out = mine.data();
+      for (auto [first, last] : m_.L.buckets) {
+        codec_.save(std::span<const float>(m_.grads.data() + first, last - first), out, world_.space());
+        out += Codec::state_floats(last - first);
+      }
+    }
+    return mine;
+  }
+
+  void restore(const checkpoint& c, int rank, int R, const std::string& path) {
+    if (c.params.size() != m_.params.size() || c.running.size() != m_.running.size() ||
+        c.momentum.size() != st_.momentum().size())
+      throw std::runtime_error(path + ": sizes do not match this model and optimizer");
+    m_.params = c.params;
+    m_.running = c.running;
+    model_sync_bf16(m_);
+    std::copy(c.momentum.begin(), c.momentum.end(), st_.momentum().begin());
+    if constexpr (has_residuals) {
+      const float* r = sample::checkpoint_residuals(c.residuals, m_.params.size(), rank, R, path);
+      for (auto [first, last] : m_.L.buckets) {
+        codec_.load(std::span<const float>(m_.grads.data() + first, last - first), r, world_.space());
+        r += Codec::state_floats(last - first);
+      }
+    }
+  }
+
+ private:
+  Group& world_;
+  Topo topo_;
+  Codec& codec_;
+  Opt opt_;
+  model<T> m_;
+  lockstep::optim::param_set ps_;
+  lockstep::optim::state st_;
+  std::vector<lockstep::optim::bucket> buckets_;  // (bucket): m_.L.buckets, the index model_backward reports
+};
+
+// One replica of a run on the CPU: its pipelines, and the policies and precision the flags name.
+template <class Group>
+void train_dispatch(Group& world, const options& o, run_result& result) {
+  const int rank = world.rank(), R = world.size();
+  sample::image_pipeline train(pipeline_options(o, true, rank, R));
+  std::unique_ptr<sample::image_pipeline> val;
+  if (!o.synthetic && std::filesystem::exists(o.data + "/val"))
+    val = std::make_unique<sample::image_pipeline>(pipeline_options(o, false, rank, R));
+  const int classes = o.synthetic ? o.classes : train.classes();
+  if (rank == 0 && !o.quiet)
+    std::printf("%s: %d classes, %zu training images, %zu steps per epoch; oneDNN ISA %s\n",
+                o.synthetic ? "synthetic data" : o.data.c_str(), classes, train.images(), train.steps_per_epoch(),
+                dnnl_isa_name());
+  sample::with_policies(o, [&](auto topo, auto& codec, auto opt) {
+    auto go = [&](auto precision) {
+      using T = decltype(precision);
+      cpu_replica<Group, decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt), T> rep(
+          world, o, classes, topo, codec, opt);
+      train_replica(world, o, train, val.get(), rep, result);
+    };
+    if (o.precision == "bf16") go(bf16_t{});
+    else go(float{});
+  });
+}
+
+// A whole run with o.ranks replicas as threads of this process.
+inline run_result train_inproc(const options& o) {
+  validate(o);
+  std::filesystem::create_directories(o.out);
+  run_result result;
+  lockstep::run_inproc(o.ranks, [&](auto& g) { train_dispatch(g, o, result); });
+  return result;
+}
+
+}  // namespace resnet

@@ -1,0 +1,184 @@
+// The Fashion trainer's hybrid parallelism (samples/fashion_cnn/replica_hybrid.hpp): with the
+// AlexNet-like head (--fc), a run that splits fc1 and fc2 over the replicas (--parallel
+// hybrid-a|b|c) with fp32 activations trains the same model as a data-parallel run with the same
+// seed (loss after 50 steps within 1e-4 relative, weights within 1e-4 of their scale); 8-bit
+// activations train too; a hybrid checkpoint resumes as data-parallel (the whole model, same
+// format); the flags hybrid runs cannot honour are refused.
+//
+// Synthetic data as in tests/test_fashion_train.cpp (a class is a bright bar at a class-dependent
+// place, plus noise), small channels and head, so the file takes seconds on two cores.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+#include <zlib.h>
+
+#include <filesystem>
+#include <random>
+
+#include "../samples/fashion_cnn/replica_cpu.hpp"
+
+namespace fs = std::filesystem;
+using namespace fashion;
+
+namespace {
+
+void write_gz(const std::string& path, const std::vector<unsigned char>& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb1");
+  REQUIRE(f);
+  REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
+  gzclose(f);
+}
+
+std::vector<unsigned char> header(std::uint32_t magic, std::vector<std::uint32_t> dims) {
+  std::vector<unsigned char> b;
+  auto put = [&](std::uint32_t v) {
+    for (int s = 24; s >= 0; s -= 8) b.push_back(static_cast<unsigned char>(v >> s));
+  };
+  put(magic);
+  for (auto d : dims) put(d);
+  return b;
+}
+
+void write_synthetic(const std::string& dir, const std::string& prefix, int n, unsigned seed) {
+  std::mt19937 g(seed);
+  std::uniform_int_distribution<int> noise(0, 60);
+  auto img = header(0x803, {static_cast<std::uint32_t>(n), 28, 28});
+  auto lbl = header(0x801, {static_cast<std::uint32_t>(n)});
+  for (int i = 0; i < n; ++i) {
+    const int c = static_cast<int>(g() % 10), at = 4 + 4 * (c / 2);
+    for (int y = 0; y < 28; ++y)
+      for (int x = 0; x < 28; ++x) {
+        const bool bar = (c % 2 == 0) ? (y >= at && y < at + 3) : (x >= at && x < at + 3);
+        img.push_back(static_cast<unsigned char>(std::min(255, noise(g) + (bar ? 180 : 0))));
+      }
+    lbl.push_back(static_cast<unsigned char>(c));
+  }
+  write_gz(dir + "/" + prefix + "-images-idx3-ubyte.gz", img);
+  write_gz(dir + "/" + prefix + "-labels-idx1-ubyte.gz", lbl);
+}
+
+struct synthetic_data {
+  std::string dir;
+  synthetic_data() {
+    dir = (fs::temp_directory_path() / ("lockstep-fashion-hybrid-" + std::to_string(::getpid()))).string();
+    fs::create_directories(dir);
+    write_synthetic(dir, "train", 1200, 1);
+    write_synthetic(dir, "t10k", 240, 2);
+  }
+  ~synthetic_data() { fs::remove_all(dir); }
+};
+
+const synthetic_data& data_dir() {
+  static synthetic_data d;
+  return d;
+}
+
+// 50 steps of 24 images over the head F -> 40 -> 24 -> 10.
+options head_run(const std::string& out, int ranks, const std::string& parallel) {
+  options o;
+  o.data = data_dir().dir;
+  o.out = data_dir().dir + "/" + out;
+  o.channels = {4, 8, 8};
+  o.fc = {40, 24};
+  o.ranks = ranks;
+  o.parallel = parallel;
+  o.batch = 24;
+  o.epochs = 1;
+  o.lr = 0.05;
+  o.warmup_epochs = 0.2;
+  o.train_limit = 1200;  // 50 steps
+  o.threads = 1;
+  o.quiet = true;
+  return o;
+}
+
+checkpoint final_state(const options& o) { return load_checkpoint(o.out + "/checkpoint.bin", o); }
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
+  return m;
+}
+double max_abs(const std::vector<float>& a) {
+  double m = 0;
+  for (float v : a) m = std::max(m, static_cast<double>(std::fabs(v)));
+  return m;
+}
+double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-30); }
+
+}  // namespace
+
+TEST_CASE("with fp32 activations, hybrid a, b and c train the data-parallel model", "[fashion][hybrid]") {
+  for (int ranks : {2, 3}) {
+    const options dp = head_run("dp" + std::to_string(ranks), ranks, "data");
+    const run_result ref = train_inproc(dp);
+    REQUIRE(ref.epochs.size() == 1);
+    const checkpoint a = final_state(dp);
+    // They did train: the weights moved away from the initial ones.
+    CHECK(max_abs_diff(a.params, model_create(model_config(dp), dp.seed).params) > 1e-3);
+    for (const char* scheme : {"hybrid-a", "hybrid-b", "hybrid-c"}) {
+      INFO(ranks << " ranks, " << scheme);
+      const options hy = head_run(std::string(scheme) + std::to_string(ranks), ranks, scheme);
+      const run_result r = train_inproc(hy);
+      REQUIRE(r.epochs.size() == 1);
+      CHECK(rel(r.epochs[0].train_loss, ref.epochs[0].train_loss) < 1e-4);
+      CHECK(rel(r.epochs[0].test_loss, ref.epochs[0].test_loss) < 1e-4);
+      const checkpoint b = final_state(hy);
+      CHECK(max_abs_diff(a.params, b.params) < 1e-4 * max_abs(a.params));
+      CHECK(max_abs_diff(a.momentum, b.momentum) < 1e-4 * max_abs(a.momentum));
+      CHECK(max_abs_diff(a.running, b.running) < 1e-4 * max_abs(a.running));
+    }
+  }
+}
+
+TEST_CASE("8-bit and bf16 activations train close to fp32 activations", "[fashion][hybrid]") {
+  const options ref = head_run("act-ref", 2, "hybrid-c");
+  const run_result base = train_inproc(ref);
+  for (const char* act : {"bf16", "int8", "dyntree8"}) {
+    INFO("activation codec " << act);
+    options o = head_run(std::string("act-") + act, 2, "hybrid-b");
+    o.activation_codec = act;
+    const run_result r = train_inproc(o);
+    REQUIRE(r.epochs.size() == 1);
+    CHECK(rel(r.epochs[0].train_loss, base.epochs[0].train_loss) < 0.05);
+    CHECK(r.epochs[0].test_loss < std::log(10.0));
+  }
+}
+
+TEST_CASE("a hybrid checkpoint resumes as data-parallel and continues the data-parallel run", "[fashion][hybrid]") {
+  options full = head_run("resume-full", 2, "data");
+  full.epochs = 2;
+  full.train_limit = 480;  // 20 steps per epoch
+  train_inproc(full);
+  options split = full;
+  split.out = data_dir().dir + "/resume-split";
+  split.parallel = "hybrid-a";
+  split.stop_after = 1;
+  train_inproc(split);
+  split.parallel = "data";
+  split.resume = true;
+  train_inproc(split);
+  const checkpoint a = final_state(full), b = final_state(split);
+  CHECK(b.epochs_done == 2);
+  CHECK(max_abs_diff(a.params, b.params) < 1e-4 * max_abs(a.params));
+  CHECK(max_abs_diff(a.momentum, b.momentum) < 1e-4 * max_abs(a.momentum));
+}
+
+TEST_CASE("flags a hybrid run cannot honour are refused, naming the flag", "[fashion][hybrid]") {
+  options o = head_run("refused", 2, "hybrid-a");
+  o.fc = {0, 0};
+  CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("give --fc H1,H2"));
+  o = head_run("refused", 2, "hybrid-b");
+  o.optimizer = "lars";
+  CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("--optimizer sgd only"));
+  o = head_run("refused", 2, "hybrid-c");
+  o.codec = "int8";
+  o.error_feedback = true;
+  CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("--error-feedback"));
+  o = head_run("refused", 4, "hybrid-c");
+  o.fc = {3, 8};
+  CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("needs at least one of fc1's columns"));
+  o = head_run("refused", 2, "hybrid-d");
+  CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("--parallel must be data, hybrid-a, hybrid-b or hybrid-c"));
+}

@@ -1,0 +1,167 @@
+// Model-parallel layers (parallel/): a column-split FC followed by a row-split FC, run over 1..8
+// in-process ranks holding uneven data-parallel batches, every scheme x activation codec, against
+// a single-rank fp64 reference computed from the same inputs (the whole batch, the whole weights).
+//
+// Bounds (docs/codecs.md, "Activations"): fp32 differs from the reference only by summation order
+// (1e-5 of the sum of |terms|). A gathered value (X forward, dY backward) is quantised once, by at
+// most delta times its block's absmax (int8, dyntree8: <= max|value|) or delta |value| (bf16), so a
+// product with it errs by delta * (max|value| or |value|) * sum |other factor|. A reduced value
+// (dX backward, Y forward) is a reduce-scatter over K ranks and errs as the collective tests bound
+// it: error_factor(hops + 1, K) * M, M = max over rows of sum over ranks |partial|. All ranks must
+// hold bitwise equal gathered rows. Different schemes, codecs or shapes fail on every rank with
+// errc::mismatch; bad sizes with a message naming the buffer.
+#include <lockstep/lockstep.hpp>
+
+#include "thread_safe_catch.hpp"
+#include "parallel_reference.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+using namespace lockstep;
+using namespace std::chrono_literals;
+using inproc_group = group<transport::inproc>;
+
+namespace {
+
+using namespace lockstep_test::parallel_reference;
+
+template <class S, class C>
+void check(const problem& p) {
+  const int K = static_cast<int>(p.rows.size());
+  std::vector<rank_out> outs(static_cast<std::size_t>(K));
+  group_options opt;
+  opt.timeout = 60s;
+  run_inproc(K, [&](inproc_group& g) { outs[static_cast<std::size_t>(g.rank())] = run_rank<S, C>(g, p); }, opt);
+  check_stack<C>(p, outs);
+}
+
+template <class S, class C>
+void every_size() {
+  for (std::size_t K = 1; K <= 8; ++K)
+    for (const auto& rows : row_patterns(K)) {
+      INFO("K = " << K << ", scheme " << S::name() << ", rows " << detail::chunk_layout::from_counts(rows).str());
+      check<S, C>({13, 10, 7, rows});
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("column-split then row-split FC, every scheme, 1..8 ranks, uneven rows, against one rank",
+                   "[parallel]", codec::fp32, codec::bf16, codec::int8, codec::dyntree8) {
+  every_size<parallel::gather_all, TestType>();
+  every_size<parallel::by_rank, TestType>();
+  every_size<parallel::by_slice, TestType>();
+}
+
+TEST_CASE("edge shapes: fewer columns than ranks, an empty batch, wide layers cut into segments", "[parallel]") {
+  check<parallel::by_slice, codec::int8>({5, 3, 2, {2, 0, 1, 4}});       // one rank owns no column
+  check<parallel::gather_all, codec::fp32>({5, 3, 2, {0, 0, 0}});        // nobody has rows
+  check<parallel::by_rank, codec::dyntree8>({4, 6, 3, {0, 0, 0, 0, 0}});
+  check<parallel::by_rank, codec::bf16>({300, 97, 11, {40, 7, 33}});     // several segments per round
+}
+
+TEST_CASE("the schemes' rounds cover every row once", "[parallel][scheme]") {
+  for (std::size_t K = 1; K <= 9; ++K) {
+    std::vector<std::size_t> rows(K);
+    for (std::size_t k = 0; k < K; ++k) rows[k] = (k * 5 + 3) % 7;
+    for (const auto& rounds : {parallel::gather_all::rounds(rows), parallel::by_rank::rounds(rows), parallel::by_slice::rounds(rows)}) {
+      std::vector<std::vector<int>> seen(K);
+      for (std::size_t k = 0; k < K; ++k) seen[k].assign(rows[k], 0);
+      for (const auto& r : rounds) {
+        REQUIRE(r.size() == K);
+        for (std::size_t k = 0; k < K; ++k)
+          for (std::size_t i = r[k].lo; i < r[k].hi; ++i) ++seen[k][i];
+      }
+      for (std::size_t k = 0; k < K; ++k)
+        for (int s : seen[k]) REQUIRE(s == 1);
+    }
+    REQUIRE(parallel::by_rank::rounds(rows).size() == K);
+    REQUIRE(parallel::by_slice::rounds(rows).size() == K);
+  }
+}
+
+TEST_CASE("ranks configured differently fail on every rank with a mismatch, within seconds", "[parallel][errors]") {
+  group_options quick;
+  quick.timeout = 3000ms;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto failure = [&](int n, auto&& body) -> std::pair<errc, std::string> {
+    try {
+      run_inproc(n, body, quick);
+    } catch (const error& e) {
+      return {e.code(), e.what()};
+    }
+    return {errc::invalid_argument, "no error"};
+  };
+  std::vector<float> x(2 * 6), w(6 * 4);  // 2 rows of 6 features; room for any rank's W_k
+  auto fwd = [&](auto& layer) {
+    layer.forward(std::span<const float>(x), std::span<const float>(w).first(6 * layer.cols()), naive_gemm);
+  };
+
+  SECTION("schemes") {
+    auto [code, what] = failure(3, [&](inproc_group& g) {
+      if (g.rank() == 1) {
+        parallel::column_linear<parallel::by_rank, transport::inproc> fc(g, 6, 5);
+        fwd(fc);
+      } else {
+        parallel::column_linear<parallel::gather_all, transport::inproc> fc(g, 6, 5);
+        fwd(fc);
+      }
+    });
+    CHECK(code == errc::mismatch);
+    CHECK_THAT(what, Catch::Contains("scheme gather_all (a) on rank 0, by_rank (b) on rank 1"));
+  }
+  SECTION("activation codecs") {
+    auto [code, what] = failure(2, [&](inproc_group& g) {
+      if (g.rank() == 0) {
+        parallel::column_linear<parallel::by_slice, transport::inproc, codec::int8> fc(g, 6, 5);
+        fwd(fc);
+      } else {
+        parallel::column_linear<parallel::by_slice, transport::inproc, codec::dyntree8> fc(g, 6, 5);
+        fwd(fc);
+      }
+    });
+    CHECK(code == errc::mismatch);
+    CHECK_THAT(what, Catch::Contains("activation codec"));
+  }
+  SECTION("shapes") {
+    auto [code, what] = failure(4, [&](inproc_group& g) {
+      parallel::column_linear<parallel::gather_all, transport::inproc> fc(g, 6, g.rank() == 3 ? 7 : 5);
+      fwd(fc);
+    });
+    CHECK(code == errc::mismatch);
+    CHECK_THAT(what, Catch::Contains("shape (in x out) 6 x 5 on rank 0, 6 x 7 on rank 3"));
+  }
+  SECTION("a column-split layer against a row-split one") {
+    auto [code, what] = failure(2, [&](inproc_group& g) {
+      if (g.rank() == 0) {
+        parallel::column_linear<parallel::gather_all, transport::inproc> fc(g, 6, 4);
+        fwd(fc);
+      } else {
+        parallel::row_linear<parallel::gather_all, transport::inproc> fc(g, 6, 4);
+        std::vector<float> h(4 * 3);
+        fc.forward(std::span<const float>(h), 2, std::span<const float>(w).first(3 * 4), naive_gemm);
+      }
+    });
+    CHECK(code == errc::mismatch);
+    CHECK_THAT(what, Catch::Contains("layer column-split on rank 0, row-split on rank 1"));
+  }
+  SECTION("bad sizes name the buffer") {
+    run_inproc(2, [&](inproc_group& g) {
+      parallel::column_linear<parallel::by_rank, transport::inproc, codec::bf16> fc(g, 6, 4);
+      CHECK_THROWS_WITH(fc.forward(std::span<const float>(x).first(7), std::span<const float>(w).first(12), naive_gemm),
+                        Catch::Contains("input x has 7 elements, not a whole number of rows of 6"));
+      CHECK_THROWS_WITH(fc.forward(std::span<const float>(x), std::span<const float>(w).first(11), naive_gemm),
+                        Catch::Contains("weights W_k (in x cols) has 11 elements; expected 12"));
+      std::vector<float> dy(8), dw(12), dx(12);
+      CHECK_THROWS_WITH(fc.backward(std::span<const float>(dy), std::span<const float>(w).first(12), std::span<float>(dw),
+                                    std::span<float>(dx), naive_gemm),
+                        Catch::Contains("backward before any forward"));
+      CHECK_THROWS_WITH((parallel::column_linear<parallel::by_rank, transport::inproc>(g, 0, 4)),
+                        Catch::Contains("both dimensions must be positive"));
+    }, quick);
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 20s);
+}
