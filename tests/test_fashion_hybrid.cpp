@@ -5,71 +5,23 @@
 // activations train too; a hybrid checkpoint resumes as data-parallel (the whole model, same
 // format); the flags hybrid runs cannot honour are refused.
 //
-// Synthetic data as in tests/test_fashion_train.cpp (a class is a bright bar at a class-dependent
-// place, plus noise), small channels and head, so the file takes seconds on two cores.
+// Synthetic data from tests/fashion_runs.hpp (shared with test_fashion_train.cpp), small channels
+// and head, so the file takes seconds on two cores.
 #include <catch2/catch.hpp>
 
-#include <unistd.h>
-#include <zlib.h>
-
 #include <filesystem>
-#include <random>
 
 #include "../samples/fashion_cnn/replica_cpu.hpp"
+#include "fashion_runs.hpp"
 
-namespace fs = std::filesystem;
 using namespace fashion;
 
 namespace {
 
-void write_gz(const std::string& path, const std::vector<unsigned char>& bytes) {
-  gzFile f = gzopen(path.c_str(), "wb1");
-  REQUIRE(f);
-  REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
-  gzclose(f);
-}
-
-std::vector<unsigned char> header(std::uint32_t magic, std::vector<std::uint32_t> dims) {
-  std::vector<unsigned char> b;
-  auto put = [&](std::uint32_t v) {
-    for (int s = 24; s >= 0; s -= 8) b.push_back(static_cast<unsigned char>(v >> s));
-  };
-  put(magic);
-  for (auto d : dims) put(d);
-  return b;
-}
-
-void write_synthetic(const std::string& dir, const std::string& prefix, int n, unsigned seed) {
-  std::mt19937 g(seed);
-  std::uniform_int_distribution<int> noise(0, 60);
-  auto img = header(0x803, {static_cast<std::uint32_t>(n), 28, 28});
-  auto lbl = header(0x801, {static_cast<std::uint32_t>(n)});
-  for (int i = 0; i < n; ++i) {
-    const int c = static_cast<int>(g() % 10), at = 4 + 4 * (c / 2);
-    for (int y = 0; y < 28; ++y)
-      for (int x = 0; x < 28; ++x) {
-        const bool bar = (c % 2 == 0) ? (y >= at && y < at + 3) : (x >= at && x < at + 3);
-        img.push_back(static_cast<unsigned char>(std::min(255, noise(g) + (bar ? 180 : 0))));
-      }
-    lbl.push_back(static_cast<unsigned char>(c));
-  }
-  write_gz(dir + "/" + prefix + "-images-idx3-ubyte.gz", img);
-  write_gz(dir + "/" + prefix + "-labels-idx1-ubyte.gz", lbl);
-}
-
-struct synthetic_data {
-  std::string dir;
-  synthetic_data() {
-    dir = (fs::temp_directory_path() / ("lockstep-fashion-hybrid-" + std::to_string(::getpid()))).string();
-    fs::create_directories(dir);
-    write_synthetic(dir, "train", 1200, 1);
-    write_synthetic(dir, "t10k", 240, 2);
-  }
-  ~synthetic_data() { fs::remove_all(dir); }
-};
+using namespace fashion_test;
 
 const synthetic_data& data_dir() {
-  static synthetic_data d;
+  static synthetic_data d("lockstep-fashion-hybrid", 1200, 240);
   return d;
 }
 
@@ -91,21 +43,6 @@ options head_run(const std::string& out, int ranks, const std::string& parallel)
   o.quiet = true;
   return o;
 }
-
-checkpoint final_state(const options& o) { return load_checkpoint(o.out + "/checkpoint.bin", o); }
-
-double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
-  return m;
-}
-double max_abs(const std::vector<float>& a) {
-  double m = 0;
-  for (float v : a) m = std::max(m, static_cast<double>(std::fabs(v)));
-  return m;
-}
-double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-30); }
 
 }  // namespace
 
