@@ -4,7 +4,7 @@
 //
 //   lockstep-bench-hybrid [--ranks 4] [--batch 32] [--features 2048] [--fc 4096,4096] [--classes 10]
 //                         [--modes dp-fp32,dp-dyntree8,a-fp32,b-dyntree8,...] [--iters 5] [--threads T] [--json]
-//                         [--predict-gbit G [--latency-us A] [--exchange-efficiency E]]
+//                         [--predict-gbit G [--latency-us A] [--exchange-efficiency E] [--calibrate]]
 //   mpirun -np 4 lockstep-bench-hybrid --transport mpi ...       (bench/netlab --bench-args runs this)
 //
 // Modes: dp-<codec>: every rank holds the whole head, computes on its --batch rows and all-reduces
@@ -16,8 +16,12 @@
 // on oneDNN (dnnl_sgemm). Times: median over --iters steps after one warm-up step; bytes: one
 // step, data and headers, this rank's sends (the same on every rank up to the uneven splits).
 // --predict-gbit: beside each row the simulator's step (sim/hybrid.hpp) on links of G Gbit/s
-// (default α 0 and η 0.699, netlab's fit in docs/scaling.md), with the products at the rate this
-// rank measures while every rank multiplies, and the codecs' measured rates.
+// (default α 0 and η 0.699, netlab's fit in docs/scaling.md), with the products at the rate of
+// the step's own products measured on this rank while every rank runs them (measure_step_rate),
+// and the codecs' measured rates. --calibrate takes α
+// and the per-message overhead o from small messages on this very group instead (the all-reduces
+// at 4 KiB, 64 KiB and 1 MiB and the segment test of calibrate_automatic, before any step is
+// timed, so the steps stay out of sample); the bandwidth stays --predict-gbit's.
 #include <lockstep/lockstep.hpp>
 #include <lockstep/sim/hybrid.hpp>
 #include <lockstep/transport/counting.hpp>
@@ -56,6 +60,8 @@ struct options {
   int threads = 0;  // oneDNN (OpenMP) threads per rank; 0: hardware threads / ranks, at least 1
   double predict_gbit = 0;  // > 0: also the simulator's step (sim/hybrid.hpp) on links of this rate
   double latency_us = 0, exchange_efficiency = 0.699;  // netlab's fitted link (docs/scaling.md)
+  double overhead_us = 0;  // o per message posted and read (sim::link_params::overhead_s)
+  bool calibrate = false;  // α and o from calibrate_automatic on this group
   bool json = false;
 };
 
@@ -92,10 +98,13 @@ options parse(int argc, char** argv) {
     else if (a == "--predict-gbit") o.predict_gbit = std::atof(next().c_str());
     else if (a == "--latency-us") o.latency_us = std::atof(next().c_str());
     else if (a == "--exchange-efficiency") o.exchange_efficiency = std::atof(next().c_str());
+    else if (a == "--overhead-us") o.overhead_us = std::atof(next().c_str());
+    else if (a == "--calibrate") o.calibrate = true;
     else if (a == "--json") o.json = true;
     else if (a == "--help" || a == "-h") {
       std::printf("usage: lockstep-bench-hybrid [--transport inproc|mpi] [--ranks N] [--batch B] [--features F]\n"
-                  "       [--fc H1,H2] [--classes NC] [--modes dp-fp32,a-dyntree8,...] [--iters N] [--json]\n");
+                  "       [--fc H1,H2] [--classes NC] [--modes dp-fp32,a-dyntree8,...] [--iters N] [--json]\n"
+                  "       [--predict-gbit G [--latency-us A] [--overhead-us O] [--exchange-efficiency E] [--calibrate]]\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "lockstep-bench-hybrid: unknown flag %s (--help)\n", a.c_str());
@@ -135,19 +144,47 @@ struct row {
   double predicted_ms = 0;  // the simulator's, with --predict-gbit
 };
 
-// The products' rate on this rank while every rank computes (they share the cores as in a step):
-// fc1's forward product of the whole batch's rows against one rank's columns, three times.
+// The rate of one step's own products, for --predict-gbit: every product of the step of `hybrid`
+// (every rank's rows against this rank's slices, scheme a's shapes) or of data-parallel (this
+// rank's rows through the whole head), with the ReLU passes, timed while every rank does the
+// same and nothing is sent; the median of 3 runs. Returned as the simulator's flop accounting
+// (sim/hybrid.hpp) over that time, so the model's compute is the step's measured compute: the
+// small and transposed products, cache misses and cores shared by the hosts included.
 template <class G>
-double measure_flops(G& g, const options& o) {
-  const std::size_t m = o.batch * static_cast<std::size_t>(g.size()), n = std::max<std::size_t>(1, o.H1 / g.size()), k = o.F;
-  std::vector<float> a(m * k, 0.01f), b(k * n, 0.01f), c(m * n);
-  sgemm({false, false, m, n, k, a.data(), k, b.data(), n, 0, c.data(), n});
+double measure_step_rate(G& g, const options& o, bool hybrid) {
+  const std::size_t K = static_cast<std::size_t>(g.size()), b = o.batch, F = o.F, H1 = o.H1, H2 = o.H2, NC = o.NC;
+  const std::size_t B = hybrid ? b * K : b, n = hybrid ? std::max<std::size_t>(1, H1 / K) : H1;
+  std::vector<float> x(B * F, 0.01f), w1(F * n, 0.01f), w2(n * H2, 0.01f), w3(H2 * NC, 0.01f), h1(B * n), h2(B * H2),
+      y(b * NC), g1(F * n), g2(n * H2), g3(H2 * NC), d2(B * H2), d1(B * n), dx(B * F);
+  auto products = [&] {
+    sgemm({false, false, B, n, F, x.data(), F, w1.data(), n, 0, h1.data(), n});
+    relu_fwd(h1.data(), h1.size());
+    sgemm({false, false, B, H2, n, h1.data(), n, w2.data(), H2, 0, h2.data(), H2});
+    relu_fwd(h2.data(), b * H2);
+    sgemm({false, false, b, NC, H2, h2.data(), H2, w3.data(), NC, 0, y.data(), NC});
+    sgemm({true, false, H2, NC, b, h2.data(), H2, y.data(), NC, 0, g3.data(), NC});
+    sgemm({false, true, b, H2, NC, y.data(), NC, w3.data(), NC, 0, d2.data(), H2});
+    relu_bwd(d2.data(), h2.data(), b * H2);
+    sgemm({false, true, B, n, H2, d2.data(), H2, w2.data(), H2, 0, d1.data(), n});
+    sgemm({true, false, n, H2, B, h1.data(), n, d2.data(), H2, 0, g2.data(), H2});
+    relu_bwd(d1.data(), h1.data(), d1.size());
+    sgemm({false, true, B, F, n, d1.data(), n, w1.data(), n, 0, dx.data(), F});
+    sgemm({true, false, F, n, B, x.data(), F, d1.data(), n, 0, g1.data(), n});
+  };
+  products();
+  std::vector<double> ts;
+  for (int i = 0; i < 3; ++i) {
+    barrier(g);
+    const auto t0 = std::chrono::steady_clock::now();
+    products();
+    ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
   barrier(g);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < 3; ++i) sgemm({false, false, m, n, k, a.data(), k, b.data(), n, 0, c.data(), n});
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  barrier(g);
-  return 3 * 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / s;
+  std::sort(ts.begin(), ts.end());
+  auto mm = [](double m_, double n_, double k_) { return 2.0 * m_ * n_ * k_; };
+  const double flops = 3 * (mm(double(B), double(n), double(F)) + mm(double(B), double(H2), double(n)) +
+                            mm(double(b), double(NC), double(H2)));
+  return flops / ts[1];
 }
 
 template <class C>
@@ -155,11 +192,24 @@ sim::codec_model model_with_rates(const C& c) {
   return sim::model_of(c, c.identity ? sim::codec_rates{} : sim::measure_rates(c, std::size_t{1} << 20, 2));
 }
 
+// --calibrate: α and o measured on this group with small messages (the same values on every rank:
+// calibrate_automatic averages over the group), before any step is timed.
+template <class G>
+options calibrated(G& g, const options& o) {
+  if (!o.calibrate || o.predict_gbit <= 0) return o;
+  const topology::automatic a = calibrate_automatic(g);
+  options c = o;
+  c.latency_us = a.link.latency_s * 1e6;
+  c.overhead_us = a.link.overhead_s * 1e6;
+  return c;
+}
+
 // The simulator's step for `mode` on the links of --predict-gbit.
 template <class G>
 double predict_ms(G& g, const options& o, const std::string& mode, double flops) {
   sim::cluster cl;
   cl.nic = {o.latency_us * 1e-6, o.predict_gbit * 1e9 / 8, o.exchange_efficiency};
+  cl.nic.overhead_s = o.overhead_us * 1e-6;
   cl.segment_bytes = G::transport_type::segment_bytes;
   cl.segments_ahead = sim::cluster::as_executor;
   const sim::fc_head h{g.size(), o.batch, o.F, o.H1, o.H2, o.NC};
@@ -273,11 +323,19 @@ row run_hybrid(G& g, const options& o, C codec, const std::string& mode) {
 template <class G>
 row run_mode_measured(G& g, const options& o, const std::string& mode);
 
+// flops: the step products' measured rates (data-parallel, hybrid), from measure_step_rate.
 template <class G>
-row run_mode(G& g, const options& o, const std::string& mode, double flops) {
+row run_mode(G& g, const options& o, const std::string& mode, std::pair<double, double> flops) {
   row r = run_mode_measured(g, o, mode);
-  if (o.predict_gbit > 0) r.predicted_ms = predict_ms(g, o, mode, flops);
+  if (o.predict_gbit > 0) r.predicted_ms = predict_ms(g, o, mode, mode.rfind("dp-", 0) == 0 ? flops.first : flops.second);
   return r;
+}
+
+template <class G>
+std::pair<double, double> step_rates(G& g, const options& o) {
+  if (o.predict_gbit <= 0) return {0, 0};
+  const double dp = measure_step_rate(g, o, false);
+  return {dp, measure_step_rate(g, o, true)};
 }
 
 template <class G>
@@ -306,14 +364,17 @@ void report(const options& o, const std::vector<row>& rows, const std::string& t
     for (const auto& r : rows)
       std::printf("{\"bench\":\"hybrid\",\"transport\":\"%s\",\"ranks\":%d,\"batch\":%zu,\"features\":%zu,\"h1\":%zu,"
                   "\"h2\":%zu,\"mode\":\"%s\",\"step_ms\":%.3f,\"predicted_ms\":%.3f,\"bytes\":%llu,\"messages\":%llu,"
-                  "\"header_bytes\":%llu}\n",
+                  "\"header_bytes\":%llu,\"sim_gbit\":%.4f,\"sim_alpha_us\":%.2f,\"sim_overhead_us\":%.2f}\n",
                   transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms, r.predicted_ms,
                   static_cast<unsigned long long>(r.sent.bytes), static_cast<unsigned long long>(r.sent.messages),
-                  static_cast<unsigned long long>(r.sent.header_bytes));
+                  static_cast<unsigned long long>(r.sent.header_bytes), o.predict_gbit, o.latency_us, o.overhead_us);
     return;
   }
   std::printf("%d ranks (%s), batch %zu per rank, head %zu -> %zu -> %zu -> %zu; rank 0's sends per step\n", ranks,
               transport_name.c_str(), o.batch, o.F, o.H1, o.H2, o.NC);
+  if (o.predict_gbit > 0)
+    std::printf("sim: %.3f Gbit/s, alpha %.1f us, overhead %.1f us per message, eta %.3f%s\n", o.predict_gbit, o.latency_us,
+                o.overhead_us, o.exchange_efficiency, o.calibrate ? " (alpha and overhead calibrated on this group)" : "");
   std::printf("%-12s %10s %8s %10s %14s %10s %8s\n", "mode", "step ms", "x dp32", "sim ms", "bytes sent", "x dp32", "msgs");
   for (const auto& r : rows) {
     const double b = static_cast<double>(r.sent.bytes + r.sent.header_bytes);
@@ -337,9 +398,10 @@ int main(int argc, char** argv) {
       omp_set_num_threads(o.threads > 0 ? o.threads
                                         : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / g.size()));
       std::vector<row> rows;
-      const double flops = o.predict_gbit > 0 ? measure_flops(g, o) : 0;
-      for (const auto& m : o.modes) rows.push_back(run_mode(g, o, m, flops));
-      if (g.rank() == 0) report(o, rows, "mpi", g.size());
+      const options oc = calibrated(g, o);
+      const auto flops = step_rates(g, oc);
+      for (const auto& m : o.modes) rows.push_back(run_mode(g, oc, m, flops));
+      if (g.rank() == 0) report(oc, rows, "mpi", g.size());
       return 0;
 #else
       std::fprintf(stderr, "lockstep-bench-hybrid: built without MPI\n");
@@ -349,20 +411,23 @@ int main(int argc, char** argv) {
     using counted = transport::counting<transport::inproc>;
     auto world = transport::inproc::make_world(o.ranks);
     std::vector<row> rows;
+    options reported = o;
     std::mutex m;
     const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / o.ranks);
     transport::detail::run_ranks(o.ranks, *world, [&](int r) {
       omp_set_num_threads(threads);
       group<counted> g(counted(transport::inproc(world, r)));
       std::vector<row> mine;
-      const double flops = o.predict_gbit > 0 ? measure_flops(g, o) : 0;
-      for (const auto& mode : o.modes) mine.push_back(run_mode(g, o, mode, flops));
+      const options oc = calibrated(g, o);
+      const auto flops = step_rates(g, oc);
+      for (const auto& mode : o.modes) mine.push_back(run_mode(g, oc, mode, flops));
       if (r == 0) {
         std::lock_guard lk(m);
         rows = mine;
+        reported = oc;
       }
     });
-    report(o, rows, "inproc", o.ranks);
+    report(reported, rows, "inproc", o.ranks);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep-bench-hybrid: %s\n", e.what());
     return 1;

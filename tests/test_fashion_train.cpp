@@ -1,7 +1,7 @@
 // The sample trainer over lockstep (samples/fashion_cnn/trainer.hpp): distributed batch norm,
 // replica-count invariance, that training learns, and that --resume continues bit-for-bit.
 //
-// Runs use a synthetic data set written here as IDX files (a class is a bright bar at a
+// Runs use the synthetic data set of tests/fashion_runs.hpp (a class is a bright bar at a
 // class-dependent place, plus noise), small channel counts and few steps, so the whole file takes
 // seconds on two cores and does not depend on the installed Fashion-MNIST.
 #include <catch2/catch.hpp>
@@ -18,61 +18,17 @@
 #include <random>
 
 #include "../samples/fashion_cnn/replica_cpu.hpp"
+#include "fashion_runs.hpp"
 
 namespace fs = std::filesystem;
 using namespace fashion;
 
 namespace {
 
-void write_gz(const std::string& path, const std::vector<unsigned char>& bytes) {
-  gzFile f = gzopen(path.c_str(), "wb1");
-  REQUIRE(f);
-  REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
-  gzclose(f);
-}
-
-std::vector<unsigned char> header(std::uint32_t magic, std::vector<std::uint32_t> dims) {
-  std::vector<unsigned char> b;
-  auto put = [&](std::uint32_t v) {
-    for (int s = 24; s >= 0; s -= 8) b.push_back(static_cast<unsigned char>(v >> s));
-  };
-  put(magic);
-  for (auto d : dims) put(d);
-  return b;
-}
-
-// n images of 28x28: class c is a horizontal bar (c even) or vertical bar (c odd) at offset 4 + 2c/2.
-void write_synthetic(const std::string& dir, const std::string& prefix, int n, unsigned seed) {
-  std::mt19937 g(seed);
-  std::uniform_int_distribution<int> noise(0, 60);
-  auto img = header(0x803, {static_cast<std::uint32_t>(n), 28, 28});
-  auto lbl = header(0x801, {static_cast<std::uint32_t>(n)});
-  for (int i = 0; i < n; ++i) {
-    const int c = static_cast<int>(g() % 10), at = 4 + 4 * (c / 2);
-    for (int y = 0; y < 28; ++y)
-      for (int x = 0; x < 28; ++x) {
-        const bool bar = (c % 2 == 0) ? (y >= at && y < at + 3) : (x >= at && x < at + 3);
-        img.push_back(static_cast<unsigned char>(std::min(255, noise(g) + (bar ? 180 : 0))));
-      }
-    lbl.push_back(static_cast<unsigned char>(c));
-  }
-  write_gz(dir + "/" + prefix + "-images-idx3-ubyte.gz", img);
-  write_gz(dir + "/" + prefix + "-labels-idx1-ubyte.gz", lbl);
-}
-
-struct synthetic_data {
-  std::string dir;
-  synthetic_data() {
-    dir = (fs::temp_directory_path() / ("lockstep-fashion-" + std::to_string(::getpid()))).string();
-    fs::create_directories(dir);
-    write_synthetic(dir, "train", 1024, 1);
-    write_synthetic(dir, "t10k", 256, 2);
-  }
-  ~synthetic_data() { fs::remove_all(dir); }
-};
+using namespace fashion_test;
 
 const synthetic_data& data_dir() {
-  static synthetic_data d;
+  static synthetic_data d("lockstep-fashion", 1024, 256);
   return d;
 }
 
@@ -89,15 +45,6 @@ options small_run(const std::string& out) {
   o.threads = 1;
   o.quiet = true;
   return o;
-}
-
-checkpoint final_state(const options& o) { return load_checkpoint(o.out + "/checkpoint.bin", o); }
-
-double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
-  return m;
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "optim/param_set.hpp"
 #include "optim/plan.hpp"
 #include "optim/schedule.hpp"
+#include "optim/split_update.hpp"
 #include "optim/sgd.hpp"
 #include "optim/state.hpp"
 #include "optim/step.hpp"

@@ -13,7 +13,10 @@
 // in the same format, as a data-parallel run: a hybrid run resumes as data-parallel and back.
 // Gradient scale: a slice's gradient sums every rank's rows of per-replica mean losses, so the
 // update scales it by 1/R, which is what data-parallel averaging gives.
-// Limits: SGD only (LARS' trust ratio needs each tensor's whole norm), no error feedback, the CPU.
+// The slices' update is optim::split_update: with LARS, each trust ratio is the whole tensor's
+// (the ranks' sums of squares all-gathered and added in rank order, the same bits on every rank),
+// so hybrid LARS trains the data-parallel LARS model.
+// Limits: no error feedback, the CPU.
 #pragma once
 
 #include <memory>
@@ -22,8 +25,8 @@
 
 #include <lockstep/optim/bucket.hpp>
 #include <lockstep/optim/plan.hpp>
+#include <lockstep/optim/split_update.hpp>
 #include <lockstep/optim/step.hpp>
-#include <lockstep/optim/update.hpp>
 
 #include "head_hybrid.hpp"
 #include "model.hpp"
@@ -76,9 +79,10 @@ class hybrid_replica {
     head_->backward(m_, dlogits, w1(), w2(), mp_g_.data(), mp_g_.data() + F_ * n_, mp_g_.data() + F_ * n_ + n_,
                     [&] { s.bucket_ready(static_cast<std::size_t>(nblocks)); });
     model_backward_features(m_, m_.d_features.data(), bng, [&](int k) { s.bucket_ready(static_cast<std::size_t>(k)); });
-    // This rank's slices: updated here, while the blocks' buckets may still travel.
-    lockstep::optim::update(opt_, mp_ps_, std::span<float>(mp_w_), std::span<const float>(mp_g_), mp_st_,
-                            {.lr = lr, .grad_scale = 1.0f / static_cast<float>(world_.size())});
+    // This rank's slices: updated here, while the blocks' buckets may still travel (with LARS, the
+    // slices' norms are all-gathered behind the buckets already posted).
+    lockstep::optim::split_update(world_, opt_, mp_ps_, std::span<float>(mp_w_), std::span<const float>(mp_g_), mp_st_,
+                                  {.lr = lr, .grad_scale = 1.0f / static_cast<float>(world_.size())});
     s.wait();
     return loss;
   }

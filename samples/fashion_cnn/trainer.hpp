@@ -331,7 +331,6 @@ inline void validate(const options& o) {
     if (o.fc[0] <= 0) bad("--parallel " + o.parallel + " splits the FC head: give --fc H1,H2");
     if (o.fc[0] < o.ranks) bad("--fc " + std::to_string(o.fc[0]) + ",...: each of the " + std::to_string(o.ranks) +
                                " ranks needs at least one of fc1's columns");
-    if (o.optimizer != "sgd") bad("--parallel " + o.parallel + " supports --optimizer sgd only (LARS needs whole-tensor norms)");
     if (o.error_feedback) bad("--parallel " + o.parallel + " does not support --error-feedback");
   }
 }

@@ -49,7 +49,7 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
   std::span<float> forward(std::span<const float> x, std::span<const float> w, M&& mm) {
     const std::size_t in = this->in(), n = cols();
     const std::size_t rows = this->rows_of(x.size(), in, "input x");
-    this->expect(w.size(), in * n, "weights W_k (in x cols)");
+    this->expect({{w.size(), in, n, this->w_name()}});
     this->b_ = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
     const std::size_t B = this->b_.total();
     x_all_.assign(B * in, 0.0f);
@@ -65,13 +65,10 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
   // (B_k x in), overwritten.
   template <matmul M>
   void backward(std::span<const float> dy, std::span<const float> w, std::span<float> dw, std::span<float> dx, M&& mm) {
-    this->need_forward();
+    const std::size_t rows = this->begin_backward(w.size(), dw.size());
     const std::size_t in = this->in(), n = cols(), B = this->b_.total();
-    const std::size_t rows = this->b_.rows[static_cast<std::size_t>(this->g_.rank())];
-    this->expect(dy.size(), B * n, "output gradient dY_k (B x cols)");
-    this->expect(w.size(), in * n, "weights W_k (in x cols)");
-    this->expect(dw.size(), in * n, "weight gradient dW_k (in x cols)");
-    this->expect(dx.size(), rows * in, "input gradient dx (this rank's rows x in)");
+    this->expect({{dy.size(), B, n, "output gradient dY_k (B x cols)"},
+                  {dx.size(), rows, in, "input gradient dx (this rank's rows x in)"}});
     detail::reduce_rows(
         this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), n, dy, in, dx,
         [&](const float* dyr, std::size_t m, float* p) {  // dX rows = dY_k rows · W_kᵀ

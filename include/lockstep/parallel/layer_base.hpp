@@ -3,6 +3,7 @@
 // that name the layer, and the rules on which codecs and groups they take.
 #pragma once
 
+#include <initializer_list>
 #include <span>
 #include <string>
 
@@ -48,10 +49,34 @@ class layer_base {
     slice_ = {lo, hi};
   }
 
-  void expect(std::size_t got, std::size_t want, const char* what) const {
-    if (got != want)
-      throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1,
-                  std::string(what) + " has " + std::to_string(got) + " elements; expected " + std::to_string(want));
+  // An argument's size against its shape (rows x cols).
+  struct operand {
+    std::size_t got, rows, cols;
+    const char* what;
+  };
+  // Each operand in turn; the first that does not fit throws, naming it and both sizes.
+  void expect(std::initializer_list<operand> ops) const {
+    for (const operand& o : ops)
+      if (o.got != o.rows * o.cols)
+        throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1,
+                    std::string(o.what) + " has " + std::to_string(o.got) + " elements; expected " +
+                        std::to_string(o.rows * o.cols) + " (" + std::to_string(o.rows) + " x " + std::to_string(o.cols) + ")");
+  }
+  // W_k's shape: in x this rank's columns (column split), this rank's input rows x out (row split).
+  std::size_t w_rows() const noexcept { return cfg_.kind == layer_kind::column_split ? cfg_.in : slice_size(); }
+  std::size_t w_cols() const noexcept { return cfg_.kind == layer_kind::column_split ? slice_size() : cfg_.out; }
+  const char* w_name() const noexcept {
+    return cfg_.kind == layer_kind::column_split ? "weights W_k (in x cols)" : "weights W_k (in_rows x out)";
+  }
+  const char* dw_name() const noexcept {
+    return cfg_.kind == layer_kind::column_split ? "weight gradient dW_k (in x cols)" : "weight gradient dW_k (in_rows x out)";
+  }
+  // What every backward checks first: a forward gave it a batch, and W_k and dW_k have W_k's shape.
+  // Returns this rank's rows in that batch.
+  std::size_t begin_backward(std::size_t w, std::size_t dw) const {
+    need_forward();
+    expect({{w, w_rows(), w_cols(), w_name()}, {dw, w_rows(), w_cols(), dw_name()}});
+    return b_.rows[static_cast<std::size_t>(g_.rank())];
   }
   std::size_t rows_of(std::size_t elems, std::size_t width, const char* what) const {
     if (elems % width)

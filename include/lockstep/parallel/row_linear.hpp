@@ -42,10 +42,10 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
   template <matmul M>
   std::span<float> forward(std::span<const float> h, std::size_t rows, std::span<const float> w, M&& mm) {
     const std::size_t m_k = in_rows(), out = this->out();
-    this->expect(w.size(), m_k * out, "weights W_k (in_rows x out)");
+    this->expect({{w.size(), m_k, out, this->w_name()}});
     this->b_ = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
     const std::size_t B = this->b_.total();
-    this->expect(h.size(), B * m_k, "input H_k (all ranks' rows x in_rows)");
+    this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"}});
     y_.assign(rows * out, 0.0f);
     detail::reduce_rows(
         this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), m_k, h, out, std::span<float>(y_),
@@ -61,14 +61,11 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
   template <matmul M>
   void backward(std::span<const float> h, std::span<const float> dy, std::span<const float> w, std::span<float> dw,
                 std::span<float> dh, M&& mm) {
-    this->need_forward();
+    const std::size_t rows = this->begin_backward(w.size(), dw.size());
     const std::size_t m_k = in_rows(), out = this->out(), B = this->b_.total();
-    const std::size_t rows = this->b_.rows[static_cast<std::size_t>(this->g_.rank())];
-    this->expect(h.size(), B * m_k, "input H_k (all ranks' rows x in_rows)");
-    this->expect(dy.size(), rows * out, "output gradient dy (this rank's rows x out)");
-    this->expect(w.size(), m_k * out, "weights W_k (in_rows x out)");
-    this->expect(dw.size(), m_k * out, "weight gradient dW_k (in_rows x out)");
-    this->expect(dh.size(), B * m_k, "input gradient dH_k (all ranks' rows x in_rows)");
+    this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"},
+                  {dy.size(), rows, out, "output gradient dy (this rank's rows x out)"},
+                  {dh.size(), B, m_k, "input gradient dH_k (all ranks' rows x in_rows)"}});
     dy_all_.assign(B * out, 0.0f);
     detail::gather_rows(this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), out, dy,
                         std::span<float>(dy_all_), m_k, dh, [&](const float* dyr, std::size_t m, float* dhr) {

@@ -14,6 +14,8 @@
 // all-gather. What it leaves out: the products and the codec work competing for one core, the descriptor's
 // latency beyond one small all-gather, and the classifier (replicated, tiny) beyond its product
 // and one all-reduce. Ranks are taken to hold equal rows, so the slowest rank is any rank.
+// hybrid_model_step / data_parallel_model_step put the head between data-parallel convolutions
+// (a whole CNN step, the papers' settings: bench/hybrid_projection.cpp).
 #pragma once
 
 #include <algorithm>
@@ -173,6 +175,50 @@ inline step_estimate data_parallel_step(const cluster& cl, const codec_model& gr
   compute += b1;
   comm = std::max(comm, compute) + a1;
   return {std::max(compute, comm), fwd + b3 + b2 + b1, a1 + a2 + a3};
+}
+
+// A whole CNN step (the papers' settings): the convolutions data-parallel on every rank's rows
+// (forward, then backward, their gradients all-reduced over the ring in `grads` once backward is
+// done: no overlap, as Dettmers' speedup model has it), and between them the FC head, hybrid
+// (scheme S, activations in `act`) or data-parallel (its gradients in `grads`). The hybrid head's
+// classifier stays data-parallel as in lockstep's trainer, its gradients all-reduced in `grads`
+// beside the FC products (the papers split it too: with 1,000 classes this over-counts a little).
+struct cnn_step {
+  fc_head head;
+  std::size_t conv_params = 0;  // all-reduced every step
+  double conv_s = 0;            // one rank's convolutions, forward + backward, on its rows
+};
+
+struct model_estimate {
+  double step_s = 0;
+  double head_s = 0;             // the head's step (sim::hybrid_step or data_parallel_step)
+  double conv_allreduce_s = 0;   // exposed: after the convolutions' backward
+  double images_per_s = 0;       // all ranks
+};
+
+template <parallel::scheme S>
+model_estimate hybrid_model_step(const cluster& cl, const codec_model& act, const codec_model& grads, const cnn_step& m,
+                                 double flops_per_s) {
+  const int K = m.head.ranks;
+  model_estimate e;
+  e.head_s = hybrid_step<S>(cl, act, grads, m.head, flops_per_s).step_s;
+  e.conv_allreduce_s = detail::collective_s(
+      cl, grads, K, m.conv_params, [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
+  e.step_s = m.conv_s + e.head_s + e.conv_allreduce_s;
+  e.images_per_s = static_cast<double>(K) * static_cast<double>(m.head.rows) / e.step_s;
+  return e;
+}
+
+inline model_estimate data_parallel_model_step(const cluster& cl, const codec_model& grads, const cnn_step& m,
+                                               double flops_per_s) {
+  const int K = m.head.ranks;
+  model_estimate e;
+  e.head_s = data_parallel_step(cl, grads, m.head, flops_per_s).step_s;
+  e.conv_allreduce_s = detail::collective_s(
+      cl, grads, K, m.conv_params, [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
+  e.step_s = m.conv_s + e.head_s + e.conv_allreduce_s;
+  e.images_per_s = static_cast<double>(K) * static_cast<double>(m.head.rows) / e.step_s;
+  return e;
 }
 
 }  // namespace lockstep::sim
