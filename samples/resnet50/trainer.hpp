@@ -58,6 +58,7 @@ struct options {
   int decode_threads = 1;
   bool cache = false;
   bool skip_bad = false;
+  double crop_scale = 0.08;  // smallest area of RandomResizedCrop's training crop, as a fraction of the image
   std::string precision = "fp32";  // fp32 | bf16
   std::string recipe = "none";     // none | mlperf
   std::string topology = "ring";
@@ -80,6 +81,7 @@ struct options {
   long long steps = 0;  // stop after N steps of this run (0: all)
   int stop_after = 0;   // end this invocation after N epochs, checkpoint written
   long long val_limit = 0;  // evaluate on the first N val images only (0: all)
+  int val_every = 1;        // validate after every N-th epoch and after the last
   int print_every = 10;
   bool quiet = false;
 };
@@ -157,6 +159,7 @@ inline std::uint64_t options_fingerprint(const options& o) {
     << o.power << ' ' << o.momentum << ' ' << o.weight_decay << ' ' << o.lars_trust << ' ' << o.label_smoothing << ' '
     << o.bn_group << ' ' << o.epochs << ' ' << o.size << ' ' << o.precision << ' ' << o.zero_init_residual << ' '
     << o.synthetic << ' ' << o.synthetic_images;
+  if (o.crop_scale != 0.08) s << ' ' << o.crop_scale;  // added later: the default keeps older fingerprints
   return sample::fingerprint(s.str());
 }
 
@@ -228,6 +231,7 @@ inline sample::image_pipeline_options pipeline_options(const options& o, bool tr
   p.cache = o.cache;
   p.threads = o.decode_threads;
   p.skip_bad = o.skip_bad;
+  p.scale_min = o.crop_scale;
   p.synthetic = o.synthetic;
   p.synthetic_classes = o.classes;
   p.synthetic_images = static_cast<std::size_t>(o.synthetic_images);
@@ -315,7 +319,7 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
 
     // Validation: each replica its shard of val/ (padding entries have label -1).
     float sums[5] = {0, 0, 0, 0, static_cast<float>(loss_sum)};  // top1, top5, val loss sum, images, train loss sum
-    if (val) {
+    if (val && ((epoch + 1) % o.val_every == 0 || epoch + 1 == o.epochs)) {
       val->start_epoch(0);
       long long seen = 0;
       while (val->next(images.data(), labels.data())) {
@@ -370,6 +374,8 @@ inline void validate(const options& o) {
   if (o.lr < 0) bad("--lr must be positive (0: the optimizer's default)");
   if (o.label_smoothing < 0 || o.label_smoothing >= 1) bad("--label-smoothing must be in [0, 1)");
   if (o.classes < 2) bad("--classes must be at least 2");
+  if (!(o.crop_scale > 0 && o.crop_scale <= 1)) bad("--crop-scale must be in (0, 1]");
+  if (o.val_every < 1) bad("--val-every must be at least 1");
 }
 
 }  // namespace resnet

@@ -77,6 +77,7 @@
 
 #include "../core/error.hpp"
 #include "concept.hpp"
+#include "poll.hpp"
 
 namespace lockstep::transport {
 
@@ -466,21 +467,18 @@ class mpi_p2p {
     const char* op = r.slot_ ? "recv" : "send";
     throw_if_aborted(op, r.peer_);
     auto sleep = first_sleep;
-    for (int polls = 0;; ++polls) {
-      if (test(r, op)) return true;
-      // After a look that found nothing: what a wait on its behalf checks (another rank's abort,
-      // and whatever the caller's idle does) sees the state that look saw, or a later one.
-      poll_abort(op, r.peer_);
-      idle();
-      if (clock::now() >= deadline) return false;
-      if (polls < spin_polls) continue;
-      if (polls < spin_polls + yield_polls) {
-        std::this_thread::yield();
-        continue;
-      }
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, max_sleep);
-    }
+    return detail::poll_until(
+        deadline, {spin_polls, yield_polls}, [&] { return test(r, op); },
+        [&] {
+          // After a look that found nothing: what a wait on its behalf checks (another rank's
+          // abort, and whatever the caller's idle does) sees the state that look saw, or a later one.
+          poll_abort(op, r.peer_);
+          idle();
+        },
+        [&](clock::time_point) {
+          std::this_thread::sleep_for(sleep);
+          sleep = std::min(sleep * 2, max_sleep);
+        });
   }
   bool wait(request& r, clock::time_point deadline) { return wait(r, deadline, [] {}); }
 
