@@ -6,6 +6,11 @@
 // delta_block and delta_value the codec's error per quantisation relative to its block's absmax and
 // to the value (tests/collective_bounds.hpp; recursive doubling quantises more often than N), and M = max_i sum_r |x_r[i]| (bounds every partial sum). Results must be bitwise identical on every rank and from run to run.
 //
+// LOCKSTEP_SMALL_MATRIX=1 (scripts/test --sanitize thread sets it) keeps every op x topology x
+// codec but runs it at 1..5 ranks with counts 0, 1, N-1 and 1009 (reduce-scatter and all-gather
+// 101 per rank), and the 4 Mi case at 64 Ki + 3: ThreadSanitizer's slowdown made the whole matrix
+// take over six minutes.
+//
 // The matrix runs twice: over inproc (host threads, work done at once) and over inproc_deferred
 // (every rank's work queued on a host_stream, completion by events: the path a GPU takes, run by
 // the CPU), so the stream-ordered orchestration the device uses is tested here too.
@@ -19,7 +24,9 @@
 #include "thread_safe_catch.hpp"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <mutex>
 #include <random>
 #include <vector>
@@ -53,6 +60,15 @@ struct on_stream {
     run_inproc_deferred(n, std::forward<F>(f), opt);
   }
 };
+
+bool small_matrix() {
+  static const bool small = [] {
+    const char* e = std::getenv("LOCKSTEP_SMALL_MATRIX");
+    return e && std::string(e) == "1";
+  }();
+  return small;
+}
+int max_ranks() { return small_matrix() ? 5 : 9; }
 
 // Inputs: integers in [-8, 8] for exact fp32 checks; Gaussian values for lossy codecs.
 float input(int rank, std::size_t i, bool integer) {
@@ -194,7 +210,8 @@ void broadcast_case(const T& topo, int n, std::size_t count, int root) {
 
 template <class Run, class C>
 void every_op(int n) {
-  const std::vector<std::size_t> counts = {0, 1, static_cast<std::size_t>(n - 1), 10007};
+  const std::size_t prime = small_matrix() ? 1009 : 10007, prime_per = small_matrix() ? 101 : 1009;
+  const std::vector<std::size_t> counts = {0, 1, static_cast<std::size_t>(n - 1), prime};
   auto for_topologies = [&](auto&& f) {
     f(topology::ring{});
     f(topology::torus2d{});
@@ -214,8 +231,8 @@ void every_op(int n) {
       using T = std::decay_t<decltype(topo)>;
       all_reduce_case<Run, T, C>(topo, n, count, reduce_op::sum);
       all_reduce_case<Run, T, C>(topo, n, count, reduce_op::average);
-      reduce_scatter_case<Run, T, C>(topo, n, count == 10007 ? 1009 : count);
-      all_gather_case<Run, T, C>(topo, n, count == 10007 ? 1009 : count);
+      reduce_scatter_case<Run, T, C>(topo, n, count == prime ? prime_per : count);
+      all_gather_case<Run, T, C>(topo, n, count == prime ? prime_per : count);
       // From every root: a root's k-th send and its receiver's first step must match.
       for (int root = 0; root < n; ++root) broadcast_case<Run, T, C>(topo, n, count, root);
     }
@@ -226,16 +243,16 @@ void every_op(int n) {
 
 TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks", "[collective]", codec::fp32, codec::bf16, codec::int8,
                    codec::dyntree8, codec::error_feedback<codec::int8>) {
-  for (int n = 1; n <= 9; ++n) every_op<on_host, TestType>(n);
+  for (int n = 1; n <= max_ranks(); ++n) every_op<on_host, TestType>(n);
 }
 
 TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks, stream-ordered", "[collective][stream]", codec::fp32,
                    codec::bf16, codec::int8, codec::dyntree8, codec::error_feedback<codec::int8>) {
-  for (int n = 1; n <= 9; ++n) every_op<on_stream, TestType>(n);
+  for (int n = 1; n <= max_ranks(); ++n) every_op<on_stream, TestType>(n);
 }
 
 TEST_CASE("4 Mi elements: fp32 exact and dyntree8 bounded, ring and torus", "[collective][large]") {
-  const std::size_t big = std::size_t{4} << 20;
+  const std::size_t big = small_matrix() ? std::size_t{64} << 10 : std::size_t{4} << 20;
   all_reduce_case<on_host, topology::ring, codec::fp32>({}, 4, big + 3, reduce_op::sum);
   all_reduce_case<on_host, topology::torus2d, codec::fp32>({}, 6, big, reduce_op::sum);
   all_reduce_case<on_host, topology::torus2d, codec::dyntree8>({}, 4, big, reduce_op::average);
