@@ -36,6 +36,7 @@
 #include "../core/error.hpp"
 #include "../core/space.hpp"
 #include "concept.hpp"
+#include "elementwise.hpp"
 
 namespace lockstep::codec {
 
@@ -140,6 +141,11 @@ class error_feedback {
   std::size_t max_buffers() const noexcept { return max_buffers_; }
 
   void encode_with_residual(const float* in, std::size_t n, std::byte* out, float* residual) {
+    if constexpr (elementwise<C>) {  // one pass: each value, its code and its new residual
+      const encode_elements<C> e{in, residual, reinterpret_cast<typename C::element*>(out)};
+      for (std::size_t i = 0; i < n; ++i) e(i);
+      return;
+    }
     thread_local std::vector<float> v;
     if (v.size() < n) v.resize(n);
     for (std::size_t i = 0; i < n; ++i) v[i] = in[i] + residual[i];

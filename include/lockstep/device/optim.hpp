@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(Threads)
 optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_table::block* __restrict__ blocks,
            std::size_t first, std::size_t nblocks, const float* __restrict__ w, const float* __restrict__ g,
            float grad_scale, optim::tensor_sums* __restrict__ out) {
-  using sum = block_sum<Threads>;
+  using sum = block_reduce<double, Threads>;
   __shared__ typename sum::storage red;
   for (std::size_t b = first + blockIdx.x; b < first + nblocks; b += gridDim.x) {
     const param_table::block bk = blocks[b];
@@ -107,9 +107,9 @@ optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_tab
     }
     // Uniform per block (r depends on the tensor only), so every thread reaches the reductions.
     optim::tensor_sums t;
-    if (r.weights) t.w2 = sum::reduce(red, aw);
-    if (r.grads) t.g2 = sum::reduce(red, ag) * (double(grad_scale) * double(grad_scale));
-    if (r.decayed_grads) t.d2 = sum::reduce(red, ad);
+    if (r.weights) t.w2 = sum::all(red, aw, ::cuda::std::plus<>{});
+    if (r.grads) t.g2 = sum::all(red, ag, ::cuda::std::plus<>{}) * (double(grad_scale) * double(grad_scale));
+    if (r.decayed_grads) t.d2 = sum::all(red, ad, ::cuda::std::plus<>{});
     if (threadIdx.x == 0) out[b] = t;
   }
 }
