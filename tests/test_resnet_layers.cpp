@@ -1,8 +1,9 @@
-// The layers ResNet-50 adds to the samples (samples/resnet50/layers_cpu.hpp, model.hpp): residual
-// add + ReLU, global average pooling, 3x3/2 max pooling, NHWC batch norm (with and without ReLU)
-// and a whole bottleneck (identity and projection shortcut, stride 1 and 2), each against central
-// finite differences of L = sum(out * r) (tests/fashion_gradcheck.hpp: fp32 layers, L summed in
-// double, coordinates within h of a kink skipped). Shapes are small and odd-sized, so the file
+// The layers ResNet-50 adds to the samples (samples/resnet50/layers_cpu.hpp, model.hpp): a
+// bottleneck's fused last batch norm + residual add + ReLU (identity and projection shortcut),
+// per-channel moments, global average pooling, 3x3/2 max pooling, NHWC batch norm (with and
+// without ReLU) and a whole bottleneck (identity and projection shortcut, stride 1 and 2), each
+// against central finite differences of L = sum(out * r) (tests/fashion_gradcheck.hpp: fp32
+// layers, L summed in double, coordinates within h of a kink skipped). Shapes are small and odd-sized, so the file
 // takes seconds.
 #include <catch2/catch.hpp>
 
@@ -16,19 +17,88 @@ using fashion_test::dot;
 using fashion_test::randn;
 using resnet_test::one_block;
 
-TEST_CASE("residual add + ReLU: value and gradients of both summands", "[resnet][layers]") {
-  const std::size_t n = 257;  // prime: no vector-width multiple
-  auto a = randn(n, 1), b = randn(n, 2), r = randn(n, 3);
-  std::vector<float> out(n), d(n);
-  auto loss = [&] {
-    residual_add_relu_forward(out.data(), a.data(), b.data(), n);
-    return dot(out, r);
-  };
-  loss();
-  for (std::size_t i = 0; i < n; ++i) REQUIRE(out[i] == std::max(0.0f, a[i] + b[i]));
-  residual_add_relu_backward(d.data(), r.data(), out.data(), n);
-  check_gradient(a, d, loss, 60, 1e-3f, 4);
-  check_gradient(b, d, loss, 60, 1e-3f, 5);
+TEST_CASE("bn_add_relu: a bottleneck's last batch norm + residual add + ReLU, identity and projection", "[resnet][layers]") {
+  for (bool projection : {false, true}) {
+    INFO("projection " << projection);
+    const std::size_t N = 2 * 4 * 4 + 1;  // odd: a partial statistics chunk
+    const int K = 19;                     // prime: no vector-width multiple
+    auto x = randn(N * K, 1, 2.0f), xd = randn(N * K, 2, 1.5f), sc = randn(N * K, 3), r = randn(N * K, 4);
+    auto gamma = randn(K, 5), beta = randn(K, 6), gd = randn(K, 7), bd = randn(K, 8);
+    for (auto& g : gamma) g += 1.0f;
+    std::vector<float> out(N * K), mean(K), rstd(K), md(K), rd(K), rm(K, 0.0f), rv(K, 1.0f);
+    float count = 0, countd = 0;
+    const bn_group local;
+    auto loss = [&] {
+      batchnorm_stats(mean.data(), rstd.data(), &count, rm.data(), rv.data(), x.data(), N, K, local, true);
+      if (projection) {
+        batchnorm_stats(md.data(), rd.data(), &countd, rm.data(), rv.data(), xd.data(), N, K, local, true);
+        bn_add_bn_relu_forward(out.data(), x.data(), gamma.data(), beta.data(), mean.data(), rstd.data(), xd.data(),
+                               gd.data(), bd.data(), md.data(), rd.data(), N, K);
+      } else {
+        bn_add_relu_forward(out.data(), x.data(), gamma.data(), beta.data(), mean.data(), rstd.data(), sc.data(), N, K);
+      }
+      return dot(out, r);
+    };
+    loss();
+    // The value against the unfused layers: batch norm, then the sum, then the ReLU.
+    std::vector<float> y(N * K), yd(N * K), m2(K), r2(K);
+    float c2 = 0;
+    batchnorm_forward(y.data(), m2.data(), r2.data(), &c2, rm.data(), rv.data(), x.data(), gamma.data(), beta.data(), N,
+                      K, false, local, true);
+    if (projection)
+      batchnorm_forward(yd.data(), m2.data(), r2.data(), &c2, rm.data(), rv.data(), xd.data(), gd.data(), bd.data(), N,
+                        K, false, local, true);
+    for (std::size_t i = 0; i < N * K; ++i)
+      REQUIRE(out[i] == Approx(std::max(0.0f, y[i] + (projection ? yd[i] : sc[i]))).margin(1e-5));
+    // Backward: the fused first pass, then each batch norm's own finish; the identity takes g.
+    std::vector<float> g(N * K), dx(N * K), dxd(N * K), dg(K), db(K), dgd(K), dbd(K);
+    std::vector<double> sdy(K), sdyx(K);
+    bn_add_relu_backward_sums(g.data(), sdy.data(), sdyx.data(), r.data(), nullptr, out.data(), x.data(), mean.data(),
+                              rstd.data(), N, K);
+    {  // out's gradient in two halves (exact in fp32), the second overwritten in place: the same pass
+      std::vector<float> half(N * K), g2(N * K);
+      for (std::size_t i = 0; i < N * K; ++i) half[i] = 0.5f * r[i], g2[i] = half[i];
+      std::vector<double> sdy2(K), sdyx2(K);
+      bn_add_relu_backward_sums(g2.data(), sdy2.data(), sdyx2.data(), half.data(), g2.data(), out.data(), x.data(),
+                                mean.data(), rstd.data(), N, K);
+      REQUIRE(g2 == g);
+      REQUIRE(sdy2 == sdy);
+      REQUIRE(sdyx2 == sdyx);
+    }
+    batchnorm_backward_dx(dx.data(), dg.data(), db.data(), sdy.data(), sdyx.data(), g.data(), x.data(), mean.data(),
+                          rstd.data(), count, gamma.data(), beta.data(), N, K, false, local);
+    check_gradient(x, dx, loss, 60, 1e-3f, 9, 3e-2);
+    check_gradient(gamma, dg, loss, K, 1e-3f, 10, 3e-2);
+    check_gradient(beta, db, loss, K, 1e-3f, 11, 3e-2);
+    if (projection) {
+      batchnorm_backward(dxd.data(), dgd.data(), dbd.data(), g.data(), xd.data(), md.data(), rd.data(), countd,
+                         gd.data(), bd.data(), N, K, false, local);
+      check_gradient(xd, dxd, loss, 60, 1e-3f, 12, 3e-2);
+      check_gradient(gd, dgd, loss, K, 1e-3f, 13, 3e-2);
+      check_gradient(bd, dbd, loss, K, 1e-3f, 14, 3e-2);
+    } else {
+      check_gradient(sc, g, loss, 60, 1e-3f, 15, 3e-2);
+    }
+  }
+}
+
+TEST_CASE("channel_moments: mean and M2 of every channel, any row count", "[resnet][layers]") {
+  const int K = 7;
+  for (std::size_t N : {std::size_t{1}, std::size_t{63}, std::size_t{64}, std::size_t{65}, std::size_t{1000}}) {
+    INFO("rows " << N);
+    auto x = randn(N * K, 20, 3.0f);
+    for (auto& v : x) v += 100.0f;  // an offset, so a sum-of-squares shortcut would lose digits
+    std::vector<float> mean(K), M2(K);
+    channel_moments(mean.data(), M2.data(), x.data(), N, K);
+    for (int k = 0; k < K; ++k) {
+      double s = 0, q = 0;
+      for (std::size_t i = 0; i < N; ++i) s += x[i * K + k];
+      const double mu = s / static_cast<double>(N);
+      for (std::size_t i = 0; i < N; ++i) q += (x[i * K + k] - mu) * (x[i * K + k] - mu);
+      CHECK(mean[k] == Approx(mu).epsilon(1e-6));
+      CHECK(M2[k] == Approx(q).epsilon(1e-4).margin(1e-3));
+    }
+  }
 }
 
 TEST_CASE("global average pooling: value and gradient", "[resnet][layers]") {

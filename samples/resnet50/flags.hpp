@@ -25,7 +25,10 @@ inline void usage(const char* program, const options& d) {
       "  --cache               keep the compressed files in memory after the first epoch\n"
       "  --decode-threads N    JPEG decode threads per replica (default %d)\n"
       "  --skip-bad-images     count and skip corrupt files instead of stopping with their name\n"
+      "  --crop-scale MIN      training crops cover MIN..1 of the image's area (RandomResizedCrop's scale;\n"
+      "                        default %g; small images and short runs want a larger MIN)\n"
       "  --val-limit N         validate on the first N val images only (0 = all)\n"
+      "  --val-every N         validate after every N-th epoch and after the last (default 1; others: nan)\n"
       "  --out DIR             metrics.csv, metrics.png, metrics.gp and checkpoint.bin go here (default %s)\n"
       "  --resume              continue from DIR/checkpoint.bin with the same flags, bit-for-bit\n"
       "  --stop-after N        end after N epochs of this invocation, checkpoint written\n"
@@ -61,7 +64,7 @@ inline void usage(const char* program, const options& d) {
       "  --epochs E            (default %d)\n"
       "  --seed S              initialisation, data order and augmentation (default %llu)\n"
       "  --help                this text\n",
-      program, d.classes, d.synthetic_images, d.size, d.decode_threads, d.out.c_str(), d.print_every,
+      program, d.classes, d.synthetic_images, d.size, d.decode_threads, d.crop_scale, d.out.c_str(), d.print_every,
       d.precision.c_str(), d.label_smoothing, d.bn_group, d.ranks, d.batch, d.topology.c_str(), d.codec.c_str(),
       d.codec_block, d.optimizer.c_str(), d.warmup_epochs, d.end_lr, d.power, d.momentum, d.weight_decay,
       d.lars_trust, d.epochs, static_cast<unsigned long long>(d.seed));
@@ -81,7 +84,9 @@ inline options parse_flags(int argc, char** argv) {
     else if (p.is("--cache")) o.cache = true;
     else if (p.is("--decode-threads")) o.decode_threads = std::max(1, integer());
     else if (p.is("--skip-bad-images")) o.skip_bad = true;
+    else if (p.is("--crop-scale")) o.crop_scale = p.number();
     else if (p.is("--val-limit")) o.val_limit = static_cast<long long>(p.number());
+    else if (p.is("--val-every")) o.val_every = integer();
     else if (p.is("--out")) o.out = p.value();
     else if (p.is("--resume")) o.resume = true;
     else if (p.is("--stop-after")) o.stop_after = integer();

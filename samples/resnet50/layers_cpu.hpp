@@ -5,7 +5,8 @@
 // and the classifier run on oneDNN (samples/common/layers_dnnl.hpp); batch norm is an own kernel
 // because its statistics span a group of replicas (samples/common/batch_norm.hpp, as the Fashion
 // sample's), and so are the ReLU, residual add, 3x3 max pooling and global average pooling, which
-// are a pass over memory each. Batch norm's per-channel sums were first split by blocks of 16
+// are a pass over memory each. A bottleneck's last batch norm, its residual add and the ReLU are
+// one pass (bn_add_relu), forward and in backward's first pass. Batch norm's per-channel sums were first split by blocks of 16
 // channels, each thread walking every row: 27% of a 224x224 batch-16 step (perf); summed by rows of
 // all K channels in chunks they take 4%.
 // Activations are NHWC (channels innermost): oneDNN's AVX-512 convolutions take it directly, and
@@ -211,9 +212,92 @@ void channel_sums(double* s1, double* s2, std::size_t N, int K, F&& f) {
   }
 }
 
+// channel_moments: the per-channel mean and M2 = sum (x - mean)^2 of the rows of an NHWC tensor in
+// one pass over memory: each chunk of sum_chunk rows (K floats each, in cache after the first
+// sweep) gets its own mean and M2 from two sweeps, and the chunks are merged in chunk order in
+// double, M2 = sum_c [M2_c + n_c (mean_c - mean)^2]; thread-count independent, as channel_sums.
+// (Two sweeps over the whole tensor, the mean's then M2's, read it from memory twice.)
+inline void channel_moments(float* mean,  // (K)
+                            float* M2,    // (K)
+                            const float* x, std::size_t N, int K) {
+  const std::size_t nch = (N + sum_chunk - 1) / sum_chunk, w = 2 * static_cast<std::size_t>(K);
+  std::vector<float> part(nch * w);  // (chunk, mean[K], M2[K])
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t ch = 0; ch < static_cast<std::ptrdiff_t>(nch); ++ch) {
+    float* pm = part.data() + static_cast<std::size_t>(ch) * w;
+    float* pq = pm + K;
+    const std::size_t r0 = static_cast<std::size_t>(ch) * sum_chunk, r1 = std::min(N, r0 + sum_chunk);
+    std::fill(pm, pm + w, 0.0f);
+    for (std::size_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * static_cast<std::size_t>(K);
+#pragma omp simd
+      for (int k = 0; k < K; ++k) pm[k] += xr[k];
+    }
+    const float inv = 1.0f / static_cast<float>(r1 - r0);
+    for (int k = 0; k < K; ++k) pm[k] *= inv;
+    for (std::size_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * static_cast<std::size_t>(K);
+#pragma omp simd
+      for (int k = 0; k < K; ++k) {
+        const float d = xr[k] - pm[k];
+        pq[k] += d * d;
+      }
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int k = 0; k < K; ++k) {
+    double s = 0;
+    for (std::size_t ch = 0; ch < nch; ++ch)
+      s += static_cast<double>(std::min(sum_chunk, N - ch * sum_chunk)) * part[ch * w + static_cast<std::size_t>(k)];
+    const double mu = s / static_cast<double>(N);
+    double q = 0;
+    for (std::size_t ch = 0; ch < nch; ++ch) {
+      const double d = part[ch * w + static_cast<std::size_t>(k)] - mu;
+      q += part[ch * w + K + k] + static_cast<double>(std::min(sum_chunk, N - ch * sum_chunk)) * d * d;
+    }
+    mean[k] = static_cast<float>(mu), M2[k] = static_cast<float>(q);
+  }
+}
+
 // ----------------------------------------------------------------------------------------------
 // batchnorm (+ ReLU): out = [max(0,] gamma (x - mean) rstd + beta [)], statistics over the rows of
 // a group of G replicas (the merge is samples/common/batch_norm.hpp's, as in the Fashion sample).
+// batchnorm_stats is its first half (the bottleneck's last batch norms apply theirs inside
+// bn_add_relu_forward), bn_coefficients the folded a = gamma rstd, c = beta - mean a.
+
+inline void batchnorm_stats(float* mean,          // (K), saved for backward
+                            float* rstd,          // (K), saved for backward
+                            float* count,         // (1), rows of the group, saved
+                            float* running_mean,  // (K), updated when training
+                            float* running_var,   // (K), updated when training
+                            const float* inp,     // (N, K) fp32 (a convolution's output)
+                            std::size_t N, int K, const bn_group& group, bool training, float momentum = 0.1f,
+                            float eps = 1e-5f) {
+  if (!training) {
+    for (int k = 0; k < K; ++k) {
+      mean[k] = running_mean[k];
+      rstd[k] = 1.0f / std::sqrt(running_var[k] + eps);
+    }
+    return;
+  }
+  std::vector<float> stats(1 + 2 * static_cast<std::size_t>(K));  // (n, mean[K], M2[K]) of this replica
+  stats[0] = static_cast<float>(N);
+  channel_moments(stats.data() + 1, stats.data() + 1 + K, inp, N, K);
+  std::vector<float> all = stats;  // G rows of (n, mean, M2)
+  if (group.size > 1) {
+    all.resize(stats.size() * static_cast<std::size_t>(group.size));
+    group.all_gather(stats, all);
+  }
+  sample::bn_merge_stats(mean, rstd, count, running_mean, running_var, all, group.size, K, momentum, eps);
+}
+
+inline void bn_coefficients(float* a, float* c, const float* gamma, const float* beta, const float* mean,
+                            const float* rstd, int K) {
+  for (int k = 0; k < K; ++k) {
+    const sample::bn_affine f = sample::bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
+    a[k] = f.a, c[k] = f.c;
+  }
+}
 
 template <class T>
 void batchnorm_forward(T* out,               // (N, K) of T
@@ -227,38 +311,9 @@ void batchnorm_forward(T* out,               // (N, K) of T
                        const float* beta,    // (K)
                        std::size_t N, int K, bool relu, const bn_group& group, bool training,
                        float momentum = 0.1f, float eps = 1e-5f) {
-  if (training) {
-    std::vector<float> stats(1 + 2 * static_cast<std::size_t>(K));  // (n, mean[K], M2[K]) of this replica
-    stats[0] = static_cast<float>(N);
-    std::vector<double> s(static_cast<std::size_t>(K)), m2(static_cast<std::size_t>(K)), unused(static_cast<std::size_t>(K));
-    std::vector<float> mf(static_cast<std::size_t>(K));
-    channel_sums(s.data(), unused.data(), N, K, [&](std::size_t i, int, float& u, float&) { u += inp[i]; });
-    for (int k = 0; k < K; ++k) mf[k] = static_cast<float>(s[k] / static_cast<double>(N));
-    channel_sums(m2.data(), unused.data(), N, K, [&](std::size_t i, int k, float& u, float&) {
-      const float d = inp[i] - mf[k];
-      u += d * d;
-    });
-    for (int k = 0; k < K; ++k) {
-      stats[1 + k] = mf[k];
-      stats[1 + K + k] = static_cast<float>(m2[k]);
-    }
-    std::vector<float> all = stats;  // G rows of (n, mean, M2)
-    if (group.size > 1) {
-      all.resize(stats.size() * static_cast<std::size_t>(group.size));
-      group.all_gather(stats, all);
-    }
-    sample::bn_merge_stats(mean, rstd, count, running_mean, running_var, all, group.size, K, momentum, eps);
-  } else {
-    for (int k = 0; k < K; ++k) {
-      mean[k] = running_mean[k];
-      rstd[k] = 1.0f / std::sqrt(running_var[k] + eps);
-    }
-  }
+  batchnorm_stats(mean, rstd, count, running_mean, running_var, inp, N, K, group, training, momentum, eps);
   std::vector<float> a(static_cast<std::size_t>(K)), c(static_cast<std::size_t>(K));
-  for (int k = 0; k < K; ++k) {
-    const sample::bn_affine f = sample::bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
-    a[k] = f.a, c[k] = f.c;
-  }
+  bn_coefficients(a.data(), c.data(), gamma, beta, mean, rstd, K);
   const float lo = relu ? 0.0f : -INFINITY;
   for_rows(N, [&](std::size_t r) {
     const float* x = inp + r * K;
@@ -268,32 +323,26 @@ void batchnorm_forward(T* out,               // (N, K) of T
   });
 }
 
+// Batch norm's backward after its per-channel sums: sdy = sum dy, sdyx = sum dy xhat over this
+// replica's rows (dy: the gradient before the ReLU); writes dgamma, dbeta (this replica's sums),
+// sums them over the group and writes dinp.
 template <class T>
-void batchnorm_backward(T* dinp,             // (N, K) of T, overwritten (a convolution's output gradient)
-                        float* dgamma,       // (K), overwritten: this replica's sum
-                        float* dbeta,        // (K), overwritten: this replica's sum
-                        const float* dout,   // (N, K): gradient of the output (after the ReLU)
-                        const float* inp,    // (N, K): the forward input
-                        const float* mean,   // (K) from forward
-                        const float* rstd,   // (K) from forward
-                        float count,         // from forward
-                        const float* gamma,  // (K)
-                        const float* beta,   // (K)
-                        std::size_t N, int K, bool relu, const bn_group& group) {
+void batchnorm_backward_dx(T* dinp,             // (N, K) of T, overwritten (a convolution's output gradient)
+                           float* dgamma,       // (K), overwritten: this replica's sum
+                           float* dbeta,        // (K), overwritten: this replica's sum
+                           const double* sdy,   // (K)
+                           const double* sdyx,  // (K)
+                           const float* dout,   // (N, K): gradient of the output (after the ReLU)
+                           const float* inp,    // (N, K): the forward input
+                           const float* mean,   // (K) from forward
+                           const float* rstd,   // (K) from forward
+                           float count,         // from forward
+                           const float* gamma,  // (K)
+                           const float* beta,   // (K)
+                           std::size_t N, int K, bool relu, const bn_group& group) {
   std::vector<float> a(static_cast<std::size_t>(K)), c(static_cast<std::size_t>(K));
-  for (int k = 0; k < K; ++k) {
-    const sample::bn_affine f = sample::bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
-    a[k] = f.a, c[k] = f.c;
-  }
+  bn_coefficients(a.data(), c.data(), gamma, beta, mean, rstd, K);
   std::vector<float> sums(2 * static_cast<std::size_t>(K));  // (sum dy[K], sum dy*xhat[K])
-  std::vector<double> sdy(static_cast<std::size_t>(K)), sdyx(static_cast<std::size_t>(K));
-  const float* m = mean;
-  const float* rs = rstd;
-  channel_sums(sdy.data(), sdyx.data(), N, K, [&](std::size_t i, int k, float& u, float& v) {
-    const float dy = !relu || inp[i] * a[k] + c[k] > 0.0f ? dout[i] : 0.0f;  // the gradient before the ReLU
-    u += dy;
-    v += dy * sample::bn_xhat(inp[i], m[k], rs[k]);
-  });
   for (int k = 0; k < K; ++k) {
     sums[k] = static_cast<float>(sdy[k]);
     sums[K + k] = static_cast<float>(sdyx[k]);
@@ -315,27 +364,106 @@ void batchnorm_backward(T* dinp,             // (N, K) of T, overwritten (a conv
   });
 }
 
-// ----------------------------------------------------------------------------------------------
-// residual_add_relu: out = max(0, a + b), the end of a bottleneck (a: its last batch norm's
-// output, b: the shortcut, identity or the projection's batch norm).
-
-template <class T, class U>
-void residual_add_relu_forward(T* out,         // (n) of T
-                               const float* a,  // (n)
-                               const U* b,      // (n), float or T
-                               std::size_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (std::size_t i = 0; i < n; ++i) out[i] = store_as<T>(std::max(0.0f, a[i] + load(b[i])));
+template <class T>
+void batchnorm_backward(T* dinp,             // (N, K) of T, overwritten (a convolution's output gradient)
+                        float* dgamma,       // (K), overwritten: this replica's sum
+                        float* dbeta,        // (K), overwritten: this replica's sum
+                        const float* dout,   // (N, K): gradient of the output (after the ReLU)
+                        const float* inp,    // (N, K): the forward input
+                        const float* mean,   // (K) from forward
+                        const float* rstd,   // (K) from forward
+                        float count,         // from forward
+                        const float* gamma,  // (K)
+                        const float* beta,   // (K)
+                        std::size_t N, int K, bool relu, const bn_group& group) {
+  std::vector<float> a(static_cast<std::size_t>(K)), c(static_cast<std::size_t>(K));
+  bn_coefficients(a.data(), c.data(), gamma, beta, mean, rstd, K);
+  std::vector<double> sdy(static_cast<std::size_t>(K)), sdyx(static_cast<std::size_t>(K));
+  channel_sums(sdy.data(), sdyx.data(), N, K, [&](std::size_t i, int k, float& u, float& v) {
+    const float dy = !relu || inp[i] * a[k] + c[k] > 0.0f ? dout[i] : 0.0f;  // the gradient before the ReLU
+    u += dy;
+    v += dy * sample::bn_xhat(inp[i], mean[k], rstd[k]);
+  });
+  batchnorm_backward_dx(dinp, dgamma, dbeta, sdy.data(), sdyx.data(), dout, inp, mean, rstd, count, gamma, beta, N, K,
+                        relu, group);
 }
 
-// The gradient of both summands (they are equal): dout where the output was positive.
+// ----------------------------------------------------------------------------------------------
+// bn_add_relu: out = max(0, BN(x) + shortcut), the end of a bottleneck in one pass over memory
+// (batch norm's apply, the residual add and the ReLU were three): shortcut = the block's input
+// (identity), or BN_d(xd), the projection's batch norm. The statistics are batchnorm_stats'.
+
 template <class T>
-void residual_add_relu_backward(float* dsum,       // (n), overwritten: d a = d b
-                                const float* dout,  // (n)
-                                const T* out,       // (n) from forward
-                                std::size_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (std::size_t i = 0; i < n; ++i) dsum[i] = load(out[i]) > 0.0f ? dout[i] : 0.0f;
+void bn_add_relu_forward(T* out,              // (N, K) of T
+                         const float* x,      // (N, K): the last convolution's output
+                         const float* gamma,  // (K)
+                         const float* beta,   // (K)
+                         const float* mean,   // (K)
+                         const float* rstd,   // (K)
+                         const T* shortcut,   // (N, K): the block's input
+                         std::size_t N, int K) {
+  std::vector<float> a(static_cast<std::size_t>(K)), c(static_cast<std::size_t>(K));
+  bn_coefficients(a.data(), c.data(), gamma, beta, mean, rstd, K);
+  for_rows(N, [&](std::size_t r) {
+    const std::size_t base = r * K;
+#pragma omp simd
+    for (int k = 0; k < K; ++k)
+      out[base + k] = store_as<T>(std::max(0.0f, x[base + k] * a[k] + c[k] + load(shortcut[base + k])));
+  });
+}
+
+template <class T>
+void bn_add_bn_relu_forward(T* out,              // (N, K) of T
+                            const float* x,      // (N, K): the last convolution's output
+                            const float* gamma,  // (K)
+                            const float* beta,   // (K)
+                            const float* mean,   // (K)
+                            const float* rstd,   // (K)
+                            const float* xd,     // (N, K): the projection's convolution output
+                            const float* gd,     // (K): its batch norm's scale, shift, mean, rstd
+                            const float* bd, const float* md, const float* rd, std::size_t N, int K) {
+  std::vector<float> a(static_cast<std::size_t>(K)), c(static_cast<std::size_t>(K));
+  std::vector<float> ad(static_cast<std::size_t>(K)), cd(static_cast<std::size_t>(K));
+  bn_coefficients(a.data(), c.data(), gamma, beta, mean, rstd, K);
+  bn_coefficients(ad.data(), cd.data(), gd, bd, md, rd, K);
+  for_rows(N, [&](std::size_t r) {
+    const std::size_t base = r * K;
+#pragma omp simd
+    for (int k = 0; k < K; ++k)
+      out[base + k] = store_as<T>(std::max(0.0f, x[base + k] * a[k] + c[k] + xd[base + k] * ad[k] + cd[k]));
+  });
+}
+
+// Its backward's first pass: g = dout (+ dout2) where out > 0 (the gradient of both summands),
+// and the sums of the main path's batch norm, sdy = sum g and sdyx = sum g xhat
+// (batchnorm_backward_dx finishes it; the shortcut takes g). dout2, when not null, is a second
+// part of out's gradient (the next block's shortcut gradient), added here instead of in a pass
+// of its own.
+template <class T>
+void bn_add_relu_backward_sums(float* g,            // (N, K), overwritten; may be dout2 itself
+                               double* sdy,         // (K), overwritten
+                               double* sdyx,        // (K), overwritten
+                               const float* dout,   // (N, K): gradient of out
+                               const float* dout2,  // (N, K): its second part, or null
+                               const T* out,        // (N, K) from forward
+                               const float* x,      // (N, K): the main path's batch-norm input
+                               const float* mean,   // (K)
+                               const float* rstd,   // (K)
+                               std::size_t N, int K) {
+  if (dout2)
+    channel_sums(sdy, sdyx, N, K, [&](std::size_t i, int k, float& u, float& v) {
+      const float dy = load(out[i]) > 0.0f ? dout[i] + dout2[i] : 0.0f;
+      g[i] = dy;
+      u += dy;
+      v += dy * sample::bn_xhat(x[i], mean[k], rstd[k]);
+    });
+  else
+    channel_sums(sdy, sdyx, N, K, [&](std::size_t i, int k, float& u, float& v) {
+      const float dy = load(out[i]) > 0.0f ? dout[i] : 0.0f;
+      g[i] = dy;
+      u += dy;
+      v += dy * sample::bn_xhat(x[i], mean[k], rstd[k]);
+    });
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ namespace resnet {
 template <class T>
 struct conv_bn_acts {
   std::vector<float> conv;  // (B, OH, OW, K): the convolution's output, batch norm's input
-  std::vector<T> act;       // (B, OH, OW, K): max(0, BN(conv)), the next convolution's input (ReLU'd ones)
-  std::vector<float> y;     // (B, OH, OW, K): BN(conv) before the residual add (conv3, downsample)
+  std::vector<T> act;       // (B, OH, OW, K): max(0, BN(conv)), the next convolution's input (not for
+                            // conv3 and the projection: bn_add_relu applies their batch norms)
   std::vector<float> mean, rstd;  // (K)
   float count = 0;
 };
@@ -41,7 +41,7 @@ struct conv_bn_acts {
 template <class T>
 struct block_acts {
   conv_bn_acts<T> c1, c2, c3, down;
-  std::vector<T> out;  // (B, OH, OW, K): max(0, c3.y + shortcut)
+  std::vector<T> out;  // (B, OH, OW, K): max(0, BN3(c3.conv) + shortcut)
 };
 
 // Everything of one replica's model: parameters, gradients, running statistics, the bf16 copy, and
@@ -105,7 +105,6 @@ template <class T>
 void acts_resize(conv_bn_acts<T>& a, const conv_bn& c, int B, bool relu) {
   a.conv.assign(out_elems(c, B), 0.0f);
   if (relu) a.act.assign(out_elems(c, B), T{});
-  else a.y.assign(out_elems(c, B), 0.0f);
   a.mean.assign(static_cast<std::size_t>(c.K), 0.0f);
   a.rstd.assign(static_cast<std::size_t>(c.K), 0.0f);
 }
@@ -143,7 +142,8 @@ void model_resize(model<T>& m, int B) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// conv + batch norm (+ ReLU): a.conv = conv(x), then a.act = max(0, BN(a.conv)) or a.y = BN(a.conv).
+// conv + batch norm (+ ReLU): a.conv = conv(x), then a.act = max(0, BN(a.conv)); without the ReLU
+// (a bottleneck's conv3 and projection) only the statistics, which bn_add_relu applies.
 
 template <class T>
 void conv_bn_forward(conv_bn_acts<T>& a, const T* x, const conv_bn& c, model<T>& m, bool relu, const bn_group& group,
@@ -159,25 +159,39 @@ void conv_bn_forward(conv_bn_acts<T>& a, const T* x, const conv_bn& c, model<T>&
     batchnorm_forward(a.act.data(), a.mean.data(), a.rstd.data(), &a.count, rm, rv, a.conv.data(), gamma, beta, N, c.K,
                       true, group, training, m.cfg.bn_momentum, m.cfg.bn_eps);
   else
-    batchnorm_forward(a.y.data(), a.mean.data(), a.rstd.data(), &a.count, rm, rv, a.conv.data(), gamma, beta, N, c.K,
-                      false, group, training, m.cfg.bn_momentum, m.cfg.bn_eps);
+    batchnorm_stats(a.mean.data(), a.rstd.data(), &a.count, rm, rv, a.conv.data(), N, c.K, group, training,
+                    m.cfg.bn_momentum, m.cfg.bn_eps);
 }
 
-// dx (null: not needed) from dout, the gradient of a.act or a.y; writes the three tensors' gradients.
+// The per-channel sums of a batch norm's backward when its first pass already made them.
+struct bn_sums {
+  std::vector<double> dy, dyx;  // (K): sum dy, sum dy xhat
+};
+
+// dx (null: not needed) from dout, the gradient of a.act or of BN(a.conv); writes the three
+// tensors' gradients. sums: the batch norm's sums if bn_add_relu_backward_sums made them.
 template <class T>
 void conv_bn_backward(float* dx, const float* dout, const conv_bn_acts<T>& a, const T* x, const conv_bn& c,
-                      model<T>& m, bool relu, const bn_group& group) {
+                      model<T>& m, bool relu, const bn_group& group, const bn_sums* sums = nullptr) {
   const int B = m.B;
   const std::size_t N = static_cast<std::size_t>(B) * c.OH() * c.OW();
-  batchnorm_backward(m.g_conv.data(), m.grads.data() + c.gamma, m.grads.data() + c.beta, dout, a.conv.data(),
-                     a.mean.data(), a.rstd.data(), a.count, m.params.data() + c.gamma, m.params.data() + c.beta, N,
-                     c.K, relu, group);
+  float* dgamma = m.grads.data() + c.gamma;
+  float* dbeta = m.grads.data() + c.beta;
+  const float* gamma = m.params.data() + c.gamma;
+  const float* beta = m.params.data() + c.beta;
+  if (sums)
+    batchnorm_backward_dx(m.g_conv.data(), dgamma, dbeta, sums->dy.data(), sums->dyx.data(), dout, a.conv.data(),
+                          a.mean.data(), a.rstd.data(), a.count, gamma, beta, N, c.K, relu, group);
+  else
+    batchnorm_backward(m.g_conv.data(), dgamma, dbeta, dout, a.conv.data(), a.mean.data(), a.rstd.data(), a.count,
+                       gamma, beta, N, c.K, relu, group);
   conv_backward(dx, m.grads.data() + c.w, m.g_conv.data(), x, m.weight(c.w), shape_of(c, B), dtype_of<T>);
 }
 
 // ----------------------------------------------------------------------------------------------
 // bottleneck: out = max(0, BN3(conv3(r(BN2(conv2(r(BN1(conv1(x)))))))) + shortcut(x)),
-// shortcut = x, or BN(conv1x1/s(x)) on the first bottleneck of a stage.
+// shortcut = x, or BN(conv1x1/s(x)) on the first bottleneck of a stage; BN3, the projection's BN,
+// the add and the ReLU are one pass (bn_add_relu).
 
 template <class T>
 void bottleneck_forward(block_acts<T>& a, const T* x, const block_info& bi, model<T>& m, const bn_group& group,
@@ -185,29 +199,44 @@ void bottleneck_forward(block_acts<T>& a, const T* x, const block_info& bi, mode
   conv_bn_forward(a.c1, x, bi.c1, m, true, group, training);
   conv_bn_forward(a.c2, a.c1.act.data(), bi.c2, m, true, group, training);
   conv_bn_forward(a.c3, a.c2.act.data(), bi.c3, m, false, group, training);
+  const std::size_t N = static_cast<std::size_t>(m.B) * bi.c3.OH() * bi.c3.OW();
+  const float* p = m.params.data();
   if (bi.has_down) {
     conv_bn_forward(a.down, x, bi.down, m, false, group, training);
-    residual_add_relu_forward(a.out.data(), a.c3.y.data(), a.down.y.data(), a.out.size());
+    bn_add_bn_relu_forward(a.out.data(), a.c3.conv.data(), p + bi.c3.gamma, p + bi.c3.beta, a.c3.mean.data(),
+                           a.c3.rstd.data(), a.down.conv.data(), p + bi.down.gamma, p + bi.down.beta,
+                           a.down.mean.data(), a.down.rstd.data(), N, bi.c3.K);
   } else {
-    residual_add_relu_forward(a.out.data(), a.c3.y.data(), x, a.out.size());
+    bn_add_relu_forward(a.out.data(), a.c3.conv.data(), p + bi.c3.gamma, p + bi.c3.beta, a.c3.mean.data(),
+                        a.c3.rstd.data(), x, N, bi.c3.K);
   }
 }
 
-// dx: the gradient of the block's input x, from dout, the gradient of a.out.
+// The gradient of the block's input x in two parts, their sum: dx (through conv1, written here)
+// and the returned shortcut part (m.g_sum for the identity, m.g_tmp through the projection),
+// which the block before adds in its first pass (as its dout2) rather than in a pass of its own.
+// dout + dout2 (dout2 null: dout alone) is the gradient of a.out.
+template <class T>
+const float* bottleneck_backward_parts(float* dx, const float* dout, const float* dout2, const block_acts<T>& a,
+                                       const T* x, const block_info& bi, model<T>& m, const bn_group& group) {
+  const std::size_t N = static_cast<std::size_t>(m.B) * bi.c3.OH() * bi.c3.OW();
+  bn_sums s3{std::vector<double>(static_cast<std::size_t>(bi.c3.K)), std::vector<double>(static_cast<std::size_t>(bi.c3.K))};
+  bn_add_relu_backward_sums(m.g_sum.data(), s3.dy.data(), s3.dyx.data(), dout, dout2, a.out.data(), a.c3.conv.data(),
+                            a.c3.mean.data(), a.c3.rstd.data(), N, bi.c3.K);
+  conv_bn_backward(m.g_act.data(), m.g_sum.data(), a.c3, a.c2.act.data(), bi.c3, m, false, group, &s3);
+  conv_bn_backward(m.g_act.data(), m.g_act.data(), a.c2, a.c1.act.data(), bi.c2, m, true, group);
+  conv_bn_backward(dx, m.g_act.data(), a.c1, x, bi.c1, m, true, group);
+  if (!bi.has_down) return m.g_sum.data();
+  conv_bn_backward(m.g_tmp.data(), m.g_sum.data(), a.down, x, bi.down, m, false, group);
+  return m.g_tmp.data();
+}
+
+// dx: the whole gradient of the block's input x, from dout, the gradient of a.out.
 template <class T>
 void bottleneck_backward(float* dx, const float* dout, const block_acts<T>& a, const T* x, const block_info& bi,
                          model<T>& m, const bn_group& group) {
-  residual_add_relu_backward(m.g_sum.data(), dout, a.out.data(), a.out.size());
-  conv_bn_backward(m.g_act.data(), m.g_sum.data(), a.c3, a.c2.act.data(), bi.c3, m, false, group);
-  conv_bn_backward(m.g_act.data(), m.g_act.data(), a.c2, a.c1.act.data(), bi.c2, m, true, group);
-  conv_bn_backward(dx, m.g_act.data(), a.c1, x, bi.c1, m, true, group);
-  const std::size_t nx = static_cast<std::size_t>(m.B) * bi.c1.H * bi.c1.W * bi.c1.C;
-  if (bi.has_down) {
-    conv_bn_backward(m.g_tmp.data(), m.g_sum.data(), a.down, x, bi.down, m, false, group);
-    add_into(dx, m.g_tmp.data(), nx);
-  } else {
-    add_into(dx, m.g_sum.data(), nx);
-  }
+  const float* shortcut = bottleneck_backward_parts(dx, dout, nullptr, a, x, bi, m, group);
+  add_into(dx, shortcut, static_cast<std::size_t>(m.B) * bi.c1.H * bi.c1.W * bi.c1.C);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -255,11 +284,13 @@ void model_backward(model<T>& m, const bn_group& group, const std::function<void
   float* dout = m.g_a.data();  // gradient of the current block's output
   float* dinp = m.g_b.data();  // gradient of its input
   global_avgpool_backward(dout, m.g_feat.data(), B, L.final_side * L.final_side, features);
+  const float* dshort = nullptr;  // the shortcut's part of dout (dout + dshort is the whole gradient)
   for (int b = nblocks - 1; b >= 0; --b) {
-    bottleneck_backward(dinp, dout, m.blocks[b], block_input(m, b), L.blocks[b], m, group);
+    dshort = bottleneck_backward_parts(dinp, dout, dshort, m.blocks[b], block_input(m, b), L.blocks[b], m, group);
     if (bucket_ready) bucket_ready(b + 1);
     std::swap(dout, dinp);
   }
+  add_into(dout, dshort, static_cast<std::size_t>(B) * L.pool_side * L.pool_side * stem_channels);
   maxpool3x3_backward(m.g_act.data(), dout, m.pool_which.data(), B, L.stem.OH(), L.stem.OW(), stem_channels);
   conv_bn_backward(nullptr, m.g_act.data(), m.stem, m.input.data(), L.stem, m, true, group);
   if (bucket_ready) bucket_ready(0);

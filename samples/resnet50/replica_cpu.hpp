@@ -6,59 +6,37 @@
 // Per step: forward; backward, and the moment a bucket (the classifier, a bottleneck, the stem) is
 // written its all-reduce starts with the update of that bucket's tensors as its epilogue, which
 // also writes the bf16 copy the convolutions read under --precision bf16 (backward never reads a
-// bucket's weights again once it is written); wait for the buckets.
+// bucket's weights again once it is written); wait for the buckets (samples/common/replica.hpp,
+// shared with the Fashion sample).
 #pragma once
-
-#include <omp.h>
 
 #include <algorithm>
 #include <span>
-#include <thread>
 #include <vector>
 
-#include <lockstep/optim/bucket.hpp>
-#include <lockstep/optim/plan.hpp>
-#include <lockstep/optim/step.hpp>
-#include <lockstep/optim/state.hpp>
-
+#include "../common/replica.hpp"
 #include "model.hpp"
 #include "trainer.hpp"
 
 namespace resnet {
 
-inline void set_threads(const options& o, int replicas) {
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  omp_set_num_threads(o.threads > 0 ? o.threads : std::max(1, hw / replicas));
-}
-
 // T: float (--precision fp32) or bf16_t (--precision bf16).
 template <class Group, class Topo, class Codec, class Opt, class T>
 class cpu_replica {
  public:
-  static constexpr bool has_residuals = lockstep::codec::feedback_codec<Codec>;
+  static constexpr bool has_residuals = sample::bucketed_step<Group, Topo, Codec, Opt>::has_residuals;
 
   cpu_replica(Group& world, const options& o, int classes, Topo topo, Codec& codec, Opt opt)
-      : world_(world),
-        topo_(topo),
-        codec_(codec),
-        opt_(opt),
-        m_(model_create<T>(model_config(o, classes), o.seed)),
-        ps_(tensor_descs(m_.L)),
-        st_(ps_, opt_) {
-    for (auto [first, last] : m_.L.buckets) buckets_.push_back({first, last});
-    set_threads(o, world.size());
+      : m_(model_create<T>(model_config(o, classes), o.seed)),
+        sync_(world, topo, codec, opt, tensor_descs(m_.L), m_.L.buckets) {
+    sample::set_replica_threads(o.threads, world.size());
   }
 
   float train_step(const float* images, const int* labels, int B, const bn_group& bng, float lr) {
     const float loss = model_forward(m_, images, labels, B, bng, true);
     std::span<std::uint16_t> bf;
     if constexpr (!std::is_same_v<T, float>) bf = m_.params_bf16;
-    const lockstep::optim::plan<Opt> p{.opt = opt_, .params = ps_, .st = st_, .weights = m_.params,
-                                       .grads = m_.grads, .weights_bf16 = bf,
-                                       .average = lockstep::optim::averaging::in_collective};
-    auto s = lockstep::optim::begin_step(world_, topo_, codec_, p, buckets_, lr);
-    model_backward(m_, bng, [&](int k) { s.bucket_ready(static_cast<std::size_t>(k)); });
-    s.wait();
+    sync_.run(m_.params, m_.grads, bf, lr, [&](auto ready) { model_backward(m_, bng, ready); });
     return loss;
   }
 
@@ -74,47 +52,24 @@ class cpu_replica {
   model<T>& net() { return m_; }
   std::span<float> running() { return m_.running; }
   std::vector<float> params() const { return m_.params; }
-  std::vector<float> momentum() const { return {st_.momentum().begin(), st_.momentum().end()}; }
-
-  std::vector<float> residuals() {
-    std::vector<float> mine;
-    if constexpr (has_residuals) {
-      mine.resize(Codec::state_floats(m_.params.size()));
-      float* out = mine.data();
-      for (auto [first, last] : m_.L.buckets) {
-        codec_.save(std::span<const float>(m_.grads.data() + first, last - first), out, world_.space());
-        out += Codec::state_floats(last - first);
-      }
-    }
-    return mine;
-  }
+  std::vector<float> momentum() const { return sync_.momentum_copy(); }
+  std::vector<float> residuals() { return sync_.residuals(m_.grads); }
 
   void restore(const checkpoint& c, int rank, int R, const std::string& path) {
     if (c.params.size() != m_.params.size() || c.running.size() != m_.running.size() ||
-        c.momentum.size() != st_.momentum().size())
+        c.momentum.size() != sync_.momentum().size())
       throw std::runtime_error(path + ": sizes do not match this model and optimizer");
     m_.params = c.params;
     m_.running = c.running;
     model_sync_bf16(m_);
-    std::copy(c.momentum.begin(), c.momentum.end(), st_.momentum().begin());
-    if constexpr (has_residuals) {
-      const float* r = sample::checkpoint_residuals(c.residuals, m_.params.size(), rank, R, path);
-      for (auto [first, last] : m_.L.buckets) {
-        codec_.load(std::span<const float>(m_.grads.data() + first, last - first), r, world_.space());
-        r += Codec::state_floats(last - first);
-      }
-    }
+    std::copy(c.momentum.begin(), c.momentum.end(), sync_.momentum().begin());
+    if constexpr (has_residuals)
+      sync_.restore_residuals(m_.grads, sample::checkpoint_residuals(c.residuals, m_.params.size(), rank, R, path));
   }
 
  private:
-  Group& world_;
-  Topo topo_;
-  Codec& codec_;
-  Opt opt_;
   model<T> m_;
-  lockstep::optim::param_set ps_;
-  lockstep::optim::state st_;
-  std::vector<lockstep::optim::bucket> buckets_;  // (bucket): m_.L.buckets, the index model_backward reports
+  sample::bucketed_step<Group, Topo, Codec, Opt> sync_;  // the buckets are m_.L.buckets, model_backward's indices
 };
 
 // One replica of a run on the CPU: its pipelines, and the policies and precision the flags name.

@@ -1,0 +1,53 @@
+// samples/common/main.hpp: main() of a sample trainer, shared: under mpirun (a build with MPI,
+// LOCKSTEP_SAMPLE_MPI) each process is one replica and --ranks becomes the job's size; otherwise
+// the trainer's own run with its replicas as threads. A bad flag found late (std::invalid_argument)
+// ends as the flag parser's errors do (status 2, "see --help"); any other error prints the
+// program's name and the message and returns 1.
+//
+//   return sample::trainer_main("lockstep-train-x", argc, argv, o,
+//                               [&](auto& world) { ... one replica of an MPI job ... },
+//                               [&] { ... o.ranks replicas as threads ... });
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <stdexcept>
+
+#include "flags.hpp"
+
+#if LOCKSTEP_SAMPLE_MPI
+#include <lockstep/lockstep.hpp>
+#include <lockstep/transport/mpi.hpp>
+#endif
+
+namespace sample {
+
+// Whether this process was started by mpirun (Open MPI's or a PMI launcher's environment).
+inline bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE"); }
+
+template <class Options, class OnWorld, class InProcess>
+int trainer_main(const char* program, int argc, char** argv, Options& o, OnWorld&& on_world, InProcess&& in_process) {
+  try {
+#if LOCKSTEP_SAMPLE_MPI
+    if (under_mpirun()) {
+      lockstep::transport::mpi_session session(&argc, &argv);
+      lockstep::group<lockstep::transport::mpi> world(lockstep::transport::mpi(MPI_COMM_WORLD));
+      o.ranks = world.size();
+      on_world(world);
+      return 0;
+    }
+#else
+    (void)on_world;
+#endif
+    in_process();
+  } catch (const std::invalid_argument& e) {
+    die(program, e.what());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace sample
