@@ -90,8 +90,8 @@ void bench_codec(const C& c, std::size_t n) {
   fill(acc.data(), n, s.get());
   const double wb = double(c.wire_bytes(n));
   const std::string name = std::string(c.name()) + (c.block() > 1 ? "/" + std::to_string(c.block()) : "");
-  emit("codec", name, "encode", 4.0 * n + wb, time_us(s.get(), 20, [&] { device::encode(c, x.data(), n, wire.data(), s.get()); }));
-  emit("codec", name, "decode_add", wb + 8.0 * n, time_us(s.get(), 20, [&] { device::decode_add(c, wire.data(), n, acc.data(), s.get()); }));
+  emit("codec", name, "encode", 4.0 * n + wb, time_us(s.get(), 20, [&] { device::cuda_space(s.get()).encode(c, x.data(), n, wire.data(), nullptr); }));
+  emit("codec", name, "decode_add", wb + 8.0 * n, time_us(s.get(), 20, [&] { device::cuda_space(s.get()).decode_add(c, wire.data(), n, acc.data()); }));
 }
 
 void bench_optim() {

@@ -640,6 +640,41 @@ TEST_CASE("error feedback keeps the running sum of decoded values close to the t
   CHECK(e_ef * 5 < e_plain);
 }
 
+// Error feedback over an elementwise codec encodes in one pass (codec::encode_elements, the CUDA
+// kernel's loop too); it must leave the wire and the residual of the general path: v = x + r,
+// encode(v), r = v - decode(wire). Inputs with ties, subnormals, huge values, Inf and NaN.
+template <class C>
+void check_fused_feedback() {
+  const std::size_t n = 4099;  // odd: the vector loops' tails
+  std::vector<float> x = normal(n, 77), r(n);
+  for (std::size_t i = 0; i < n; ++i) r[i] = x[(i * 7) % n] * 0.01f;
+  const float specials[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 3.4e38f, -3.4e38f, std::bit_cast<float>(0x3f808000u),
+                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN()};
+  for (std::size_t k = 0; k < std::size(specials); ++k) x[13 * k + 1] = specials[k], r[13 * k + 1] = 0.0f;
+  x[200] = 3.4e38f, r[200] = 3.4e38f;  // the sum overflows to Inf
+  codec::error_feedback<C> ef;
+  std::vector<std::byte> fused(ef.wire_bytes(n)), plain(ef.wire_bytes(n));
+  std::vector<float> r_fused = r, v(n), dec(n);
+  ef.encode_with_residual(x.data(), n, fused.data(), r_fused.data());
+  for (std::size_t i = 0; i < n; ++i) v[i] = x[i] + r[i];
+  C{}.encode(v.data(), n, plain.data());
+  C{}.decode(plain.data(), n, dec.data());
+  const std::size_t wire_bytes = std::is_same_v<C, codec::fp32> ? n * 4 : n * 2;
+  std::size_t bad = 0;
+  CHECK(std::memcmp(fused.data(), plain.data(), wire_bytes) == 0);
+  std::size_t first_bad = n;
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::bit_cast<std::uint32_t>(r_fused[i]) != std::bit_cast<std::uint32_t>(v[i] - dec[i]) && bad++ == 0) first_bad = i;
+  CAPTURE(first_bad);
+  CHECK(bad == 0);
+}
+
+TEST_CASE("error feedback over fp32 and bf16 encodes in one pass with the general path's bits", "[codec][ef]") {
+  check_fused_feedback<codec::fp32>();
+  check_fused_feedback<codec::bf16>();
+}
+
 TEST_CASE("error feedback says so in its name; its id stays the inner codec's", "[codec][ef]") {
   // Labels ("all_reduce(ring, dyntree8+ef)") and error messages show that it is on.
   const codec::error_feedback<codec::dyntree8> dt;

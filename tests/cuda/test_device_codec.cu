@@ -8,7 +8,7 @@
 #include <string>
 
 #include <lockstep/codec.hpp>
-#include <lockstep/device/codec.hpp>
+#include <lockstep/device/space.hpp>
 
 #include "common.hpp"
 
@@ -35,9 +35,10 @@ void check_codec(const C& c, std::size_t n, std::uint32_t seed) {
   device::buffer<std::byte> dwire(wb, s.get());
   device::buffer<float> ddec(n, s.get());
   if (wb) LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(dwire.data(), 0, wb, s.get()));
-  device::encode(c, dx.data(), n, dwire.data(), s.get());
-  device::decode(c, dwire.data(), n, ddec.data(), s.get());
-  device::decode_add(c, dwire.data(), n, dacc.data(), s.get());
+  const device::cuda_space on(s.get());
+  on.encode(c, dx.data(), n, dwire.data(), nullptr);
+  on.decode(c, dwire.data(), n, ddec.data());
+  on.decode_add(c, dwire.data(), n, dacc.data());
 
   const auto wire = test::to_host(dwire.data(), wb, s.get());
   // fp32's message is the values themselves; the padding bytes beyond 4n are not written.
@@ -62,7 +63,7 @@ void check_feedback(C c, std::size_t n, std::uint32_t seed) {
   std::vector<std::byte> host_wire(c.wire_bytes(n));
   for (int round = 0; round < 3; ++round) {
     c.encode_with_residual(x.data(), n, host_wire.data(), c.residual(x.data(), n, 0));
-    device::encode(c, dx.data(), n, dwire.data(), s.get(), dres.data());
+    device::cuda_space(s.get()).encode(c, dx.data(), n, dwire.data(), dres.data());
     const auto wire = test::to_host(dwire.data(), c.wire_bytes(n), s.get());
     CHECK(std::memcmp(wire.data(), host_wire.data(), c.wire_bytes(n)) == 0);
     const float* hr = c.residual(x.data(), n, 0);

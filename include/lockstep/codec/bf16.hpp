@@ -14,6 +14,7 @@
 
 #include "../core/config.hpp"
 #include "concept.hpp"
+#include "elementwise.hpp"
 
 #include "simd.hpp"
 
@@ -40,6 +41,11 @@ struct bf16 {
   // collective's segments (1 MiB on the host), whose wire bytes are sent at once and are best
   // left in cache; a 64 MiB buffer encoded whole is not read again soon.
   static constexpr std::size_t nontemporal_bytes = std::size_t{8} << 20;
+
+  // One value on the wire and back: the scalar loops below and the CUDA kernels (device/codec.hpp).
+  using element = std::uint16_t;
+  LOCKSTEP_HD static constexpr std::uint16_t to_wire(float v) noexcept { return bf16_from_bits(std::bit_cast<std::uint32_t>(v)); }
+  LOCKSTEP_HD static constexpr float from_wire(std::uint16_t h) noexcept { return std::bit_cast<float>(bf16_to_bits(h)); }
 
   void encode(const float* LOCKSTEP_RESTRICT in, std::size_t n, std::byte* out) const noexcept {
     std::uint16_t* LOCKSTEP_RESTRICT h = reinterpret_cast<std::uint16_t*>(out);
@@ -74,7 +80,7 @@ struct bf16 {
       i = n;
     }
 #endif
-    for (; i < n; ++i) h[i] = bf16_from_bits(std::bit_cast<std::uint32_t>(in[i]));
+    for (; i < n; ++i) h[i] = to_wire(in[i]);
   }
   void decode(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT out) const noexcept { walk<false>(in, n, out); }
   void decode_add(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT acc) const noexcept { walk<true>(in, n, acc); }
@@ -99,10 +105,8 @@ struct bf16 {
       i = n;
     }
 #endif
-    for (; i < n; ++i) {
-      if constexpr (Add) out[i] += std::bit_cast<float>(bf16_to_bits(h[i]));
-      else out[i] = std::bit_cast<float>(bf16_to_bits(h[i]));
-    }
+    const decode_elements<bf16> d{h, out, Add};
+    for (; i < n; ++i) d(i);
   }
 
 #if LOCKSTEP_HOST_AVX512

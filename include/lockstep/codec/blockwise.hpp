@@ -42,6 +42,15 @@ LOCKSTEP_HD constexpr bool block_scale_carries(float scale) noexcept {
   return scale >= 1.17549435e-38f && scale <= 3.40282347e+38f;  // false for NaN as well
 }
 
+// A block's scale from its values' magnitudes, shared by blockwise::absmax and the CUDA kernels'
+// block reduction: magnitude_bits(x) is |x| as bits (for non-negative floats integer order is float
+// order, which vectorises without fast-math and reduces as integers), block_scale(the largest) the
+// absmax, NaN when the block holds a NaN or an Inf.
+LOCKSTEP_HD constexpr std::uint32_t magnitude_bits(float x) noexcept { return std::bit_cast<std::uint32_t>(x) & 0x7fffffffu; }
+LOCKSTEP_HD constexpr float block_scale(std::uint32_t max_bits) noexcept {
+  return max_bits >= 0x7f800000u ? std::bit_cast<float>(0x7fc00000u) : std::bit_cast<float>(max_bits);
+}
+
 #if LOCKSTEP_HOST_AVX512
 // Byte `which` (0..3) of each 32-bit lane of a, b, c, d, as 64 bytes in order: two byte permutes
 // of two registers each (VBMI) and an insert.
@@ -82,17 +91,32 @@ class blockwise {
   constexpr std::uint32_t id() const noexcept {
     return fingerprint(name(), static_cast<std::uint32_t>(block_));
   }
-  constexpr std::size_t block() const noexcept { return block_; }
-  constexpr std::size_t blocks(std::size_t n) const noexcept { return (n + block_ - 1) / block_; }
+  LOCKSTEP_HD constexpr std::size_t block() const noexcept { return block_; }
+  LOCKSTEP_HD constexpr std::size_t blocks(std::size_t n) const noexcept { return (n + block_ - 1) / block_; }
   constexpr std::size_t wire_bytes(std::size_t n) const noexcept {
     return pad8(blocks(n) * sizeof(float) + n);
   }
 
+  // The layout, shared by the host loops and the CUDA kernels: block b of n values is the values
+  // [lo, lo + len), and the codes of the n values start after the scales.
+  struct extent {
+    std::size_t lo, len;
+  };
+  LOCKSTEP_HD constexpr extent block_span(std::size_t b, std::size_t n) const noexcept {
+    return {b * block_, n - b * block_ < block_ ? n - b * block_ : block_};
+  }
+  LOCKSTEP_HD std::uint8_t* codes(std::byte* wire, std::size_t n) const noexcept {
+    return reinterpret_cast<std::uint8_t*>(wire + blocks(n) * sizeof(float));
+  }
+  LOCKSTEP_HD const std::uint8_t* codes(const std::byte* wire, std::size_t n) const noexcept {
+    return reinterpret_cast<const std::uint8_t*>(wire + blocks(n) * sizeof(float));
+  }
+
   void encode(const float* LOCKSTEP_RESTRICT in, std::size_t n, std::byte* out) const noexcept {
     const std::size_t nb = blocks(n);
-    std::uint8_t* LOCKSTEP_RESTRICT codes = reinterpret_cast<std::uint8_t*>(out) + nb * sizeof(float);
+    std::uint8_t* LOCKSTEP_RESTRICT codes = this->codes(out, n);
     for (std::size_t b = 0; b < nb; ++b) {
-      const std::size_t lo = b * block_, len = std::min(block_, n - lo);
+      const auto [lo, len] = block_span(b, n);
       prefetch_ahead(in + lo, len);
       const float scale = absmax(in + lo, len);
       std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
@@ -109,12 +133,12 @@ class blockwise {
   void encode_feedback(const float* LOCKSTEP_RESTRICT in, std::size_t n, std::byte* out,
                        float* LOCKSTEP_RESTRICT residual) const {
     const std::size_t nb = blocks(n);
-    std::uint8_t* LOCKSTEP_RESTRICT codes = reinterpret_cast<std::uint8_t*>(out) + nb * sizeof(float);
+    std::uint8_t* LOCKSTEP_RESTRICT codes = this->codes(out, n);
     thread_local std::vector<float> sum;  // one block of in + residual
     if (sum.size() < block_) sum.resize(block_);
     float* LOCKSTEP_RESTRICT v = sum.data();
     for (std::size_t b = 0; b < nb; ++b) {
-      const std::size_t lo = b * block_, len = std::min(block_, n - lo);
+      const auto [lo, len] = block_span(b, n);
       prefetch_ahead(in + lo, len);
       prefetch_ahead(residual + lo, len);
       for (std::size_t i = 0; i < len; ++i) v[i] = in[lo + i] + residual[lo + i];
@@ -143,12 +167,11 @@ class blockwise {
     return t;
   }
 
-  // max |x| of a block; NaN when the block holds a NaN or an Inf. Works on the bit patterns:
-  // for non-negative floats integer order is float order, which vectorises without fast-math.
+  // max |x| of a block; NaN when the block holds a NaN or an Inf (on the bit patterns, as above).
   static float absmax(const float* LOCKSTEP_RESTRICT x, std::size_t n) noexcept {
     std::uint32_t m = 0;
-    for (std::size_t i = 0; i < n; ++i) m = std::max(m, std::bit_cast<std::uint32_t>(x[i]) & 0x7fffffffu);
-    return m >= 0x7f800000u ? std::bit_cast<float>(0x7fc00000u) : std::bit_cast<float>(m);
+    for (std::size_t i = 0; i < n; ++i) m = std::max(m, magnitude_bits(x[i]));
+    return block_scale(m);
   }
 
   static void quantize_block(const float* LOCKSTEP_RESTRICT x, std::size_t n, float scale,
@@ -236,11 +259,12 @@ class blockwise {
   template <bool Add>
   void walk(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT out) const noexcept {
     const std::size_t nb = blocks(n);
-    const std::uint8_t* LOCKSTEP_RESTRICT codes = reinterpret_cast<const std::uint8_t*>(in) + nb * sizeof(float);
+    const std::uint8_t* LOCKSTEP_RESTRICT codes = this->codes(in, n);
     for (std::size_t b = 0; b < nb; ++b) {
       float scale;
       std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
-      const std::size_t lo = b * block_, hi = std::min(n, lo + block_);
+      const auto [lo, len] = block_span(b, n);
+      const std::size_t hi = lo + len;
       if constexpr (Add) prefetch_ahead(out + lo, hi - lo);  // the accumulator is read too
       decode_block<Add>(codes + lo, hi - lo, scale, out + lo);
     }

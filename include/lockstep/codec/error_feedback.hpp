@@ -36,6 +36,7 @@
 #include "../core/error.hpp"
 #include "../core/space.hpp"
 #include "concept.hpp"
+#include "elementwise.hpp"
 
 namespace lockstep::codec {
 
@@ -140,11 +141,18 @@ class error_feedback {
   std::size_t max_buffers() const noexcept { return max_buffers_; }
 
   // v = in + residual; out <- wire(v); residual <- v - decode(out). An inner codec that fuses the
-  // step (blockwise's encode_feedback, block by block in cache) does it, with the same bits;
-  // any other takes the passes below.
+  // step does it, with the same bits: an elementwise one through encode_elements (the CUDA
+  // kernel's loop), blockwise through its encode_feedback (block by block in cache); any other
+  // takes the passes below.
   void encode_with_residual(const float* in, std::size_t n, std::byte* out, float* residual) {
-    if constexpr (requires { inner_.encode_feedback(in, n, out, residual); }) inner_.encode_feedback(in, n, out, residual);
-    else encode_in_passes(inner_, in, n, out, residual);
+    if constexpr (elementwise<C>) {  // one pass: each value, its code and its new residual
+      const encode_elements<C> e{in, residual, reinterpret_cast<typename C::element*>(out)};
+      for (std::size_t i = 0; i < n; ++i) e(i);
+    } else if constexpr (requires { inner_.encode_feedback(in, n, out, residual); }) {
+      inner_.encode_feedback(in, n, out, residual);
+    } else {
+      encode_in_passes(inner_, in, n, out, residual);
+    }
   }
 
   // The step as four passes over the n values, for any codec (public: tests compare a fused

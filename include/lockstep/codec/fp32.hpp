@@ -17,6 +17,12 @@ struct fp32 {
   constexpr std::size_t block() const noexcept { return 1; }
   constexpr std::size_t wire_bytes(std::size_t n) const noexcept { return pad8(n * sizeof(float)); }
 
+  // One value on the wire and back: the element math of the CUDA kernels (device/codec.hpp) with
+  // error feedback, and of decode_add here. Encode and decode themselves copy.
+  using element = float;
+  LOCKSTEP_HD static constexpr float to_wire(float v) noexcept { return v; }
+  LOCKSTEP_HD static constexpr float from_wire(float c) noexcept { return c; }
+
   void encode(const float* in, std::size_t n, std::byte* out) const noexcept {
     if (n) std::memcpy(out, in, n * sizeof(float));
   }
@@ -25,7 +31,7 @@ struct fp32 {
   }
   void decode_add(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT acc) const noexcept {
     const float* LOCKSTEP_RESTRICT x = reinterpret_cast<const float*>(in);
-    for (std::size_t i = 0; i < n; ++i) acc[i] += x[i];
+    for (std::size_t i = 0; i < n; ++i) acc[i] += from_wire(x[i]);
   }
 };
 

@@ -39,6 +39,7 @@
 
 #include "../codec/concept.hpp"
 #include "../codec/fp32.hpp"
+#include "config.hpp"
 #include "host_stream.hpp"
 
 namespace lockstep::space {
@@ -95,6 +96,14 @@ class host_memory {
   host_stream::weak_ref stream_;  // freed behind the work queued on it (none: at once)
 };
 
+// x[i] /= by, one fp32 division: the average's element, space::host's loop and device::cuda_space's
+// kernel alike.
+struct divide_by {
+  float* x;
+  float by;
+  LOCKSTEP_HD void operator()(std::size_t i) const noexcept { x[i] /= by; }
+};
+
 template <class C>
 void encode_now(C& c, const float* x, std::size_t n, std::byte* wire, float* residual) {
   if constexpr (codec::feedback_codec<C>) {
@@ -126,7 +135,7 @@ struct host {
     if (bytes) std::memcpy(dst, src, bytes);
   }
   void divide(float* x, std::size_t n, float by) const {
-    for (std::size_t i = 0; i < n; ++i) x[i] /= by;
+    for (std::size_t i = 0; i < n; ++i) detail::divide_by{x, by}(i);
   }
   memory allocate(std::size_t bytes) const { return memory(bytes); }
 };

@@ -8,9 +8,9 @@
 //   element  codec/*.hpp, optim/*.hpp    LOCKSTEP_HD math, shared with the host loops
 //   thread   the loops inside kernels     one value at a time, __fmul_rn/__fadd_rn where the
 //                                         host rounds each operation on its own
-//   block    reduce.hpp                   absmax and sums of squares over one block (cub::BlockReduce)
+//   block    reduce.hpp                   absmax and sums of squares over one block (block_reduce)
 //   device   codec.hpp, optim.hpp         grid-stride kernels and their launch from the host
-//   stream   executor.hpp                 a schedule enqueued on a stream, no host synchronisation
+//   stream   space.hpp (cuda_space)       collective/executor.hpp's schedule enqueued on a stream
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -48,8 +48,9 @@ inline unsigned grid_for(std::size_t work_items, int per_sm) {
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
 namespace kernels {
-// f(i) for every i < n, grid-stride. F is a plain struct (pointers and scalars) whose __device__
-// operator()(std::size_t) is one element's work: the elementwise codecs', the average's.
+// f(i) for every i < n, grid-stride. F is a plain struct (pointers and scalars) whose operator()
+// (std::size_t), callable on the device, is one element's work: the elementwise codecs', the
+// average's (codec/elementwise.hpp, core/space.hpp: the host loops' own).
 template <class F>
 __global__ void elementwise(F f, std::size_t n) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)

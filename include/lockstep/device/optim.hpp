@@ -10,8 +10,8 @@
 //                 them: Σw², Σg²·s², Σ(s·g + β·w)². Skipped when no tensor needs a norm (SGD).
 //   coefficients  one thread per tensor: adds the tensor's block sums in block order and calls
 //                 o.coefficients(ctx, sums, exempt), the host's own function, on the device.
-//   update        one CUDA block per param_set block: O::update(k, w, g, v) per element (the
-//                 element math of optim/), and the bf16 copy of w (codec::bf16_from_bits).
+//   update        one CUDA block per param_set block: optim::detail::update_element per element,
+//                 the host loop's own (O::update, and the bf16 copy of w).
 // A block's sum is taken over the same elements on every rank, so every rank gets the same norms
 // and the same weights. Within a block the device adds in a tree, the host in eight lanes: device
 // and host norms agree to fp64 rounding, not bit for bit; the update itself is the same function.
@@ -24,12 +24,13 @@
 #include "reduce.hpp"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
-#include "../codec/bf16.hpp"
 #include "../optim/concept.hpp"
 #include "../optim/param_layout.hpp"
 #include "../optim/param_set.hpp"
+#include "../optim/update.hpp"
 
 namespace lockstep::device {
 
@@ -51,8 +52,6 @@ class param_table {
   }
 
   const optim::param_set& params() const noexcept { return *ps_; }
-  std::size_t tensor_count() const noexcept { return tensors_.size(); }
-  std::size_t block_count() const noexcept { return blocks_.size(); }
   const tensor* tensors() const noexcept { return tensors_.data(); }
   const block* blocks() const noexcept { return blocks_.data(); }
   optim::tensor_sums* sums() const noexcept { return sums_.data(); }
@@ -60,7 +59,7 @@ class param_table {
   // Per-tensor coefficients of optimizer O, in device memory owned by the table.
   template <class Coeffs>
   Coeffs* coeffs(cudaStream_t s) {
-    const std::size_t bytes = tensor_count() * sizeof(Coeffs);
+    const std::size_t bytes = ps_->tensor_count() * sizeof(Coeffs);
     if (coeffs_.size() < bytes) coeffs_ = buffer<std::byte>(bytes, s);
     return reinterpret_cast<Coeffs*>(coeffs_.data());
   }
@@ -89,27 +88,20 @@ __global__ void __launch_bounds__(Threads)
 optim_sums(O o, const param_table::tensor* __restrict__ tensors, const param_table::block* __restrict__ blocks,
            std::size_t first, std::size_t nblocks, const float* __restrict__ w, const float* __restrict__ g,
            float grad_scale, optim::tensor_sums* __restrict__ out) {
-  using sum = block_sum<Threads>;
+  using sum = block_reduce<double, Threads>;
   __shared__ typename sum::storage red;
   for (std::size_t b = first + blockIdx.x; b < first + nblocks; b += gridDim.x) {
     const param_table::block bk = blocks[b];
     const optim::sum_request r = o.sums(tensors[bk.tensor].exempt);
     double aw = 0.0, ag = 0.0, ad = 0.0;
-    if (r.any()) {
-      const double s = grad_scale, beta = r.decay;
-      for (std::size_t i = bk.lo + threadIdx.x; i < bk.hi; i += Threads) {
-        const double wi = w[i], gi = g[i];
-        aw += wi * wi;
-        ag += gi * gi;
-        const double d = s * gi + beta * wi;
-        ad += d * d;
-      }
-    }
+    if (r.any())
+      for (std::size_t i = bk.lo + threadIdx.x; i < bk.hi; i += Threads)
+        optim::detail::add_squares<true, true, true>(aw, ag, ad, w[i], g[i], grad_scale, r.decay);
     // Uniform per block (r depends on the tensor only), so every thread reaches the reductions.
     optim::tensor_sums t;
-    if (r.weights) t.w2 = sum::reduce(red, aw);
-    if (r.grads) t.g2 = sum::reduce(red, ag) * (double(grad_scale) * double(grad_scale));
-    if (r.decayed_grads) t.d2 = sum::reduce(red, ad);
+    if (r.weights) t.w2 = sum::all(red, aw, ::cuda::std::plus<>{});
+    if (r.grads) t.g2 = sum::all(red, ag, ::cuda::std::plus<>{}) * (double(grad_scale) * double(grad_scale));
+    if (r.decayed_grads) t.d2 = sum::all(red, ad, ::cuda::std::plus<>{});
     if (threadIdx.x == 0) out[b] = t;
   }
 }
@@ -121,13 +113,7 @@ __global__ void optim_coefficients(O o, const param_table::tensor* __restrict__ 
   for (std::size_t t = first + blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; t < first + ntensors;
        t += std::size_t(gridDim.x) * blockDim.x) {
     const param_table::tensor ts = tensors[t];
-    optim::tensor_sums s;
-    if (have_sums)
-      for (std::uint32_t b = ts.first_block; b < ts.first_block + ts.blocks; ++b) {
-        s.w2 += sums[b].w2;
-        s.g2 += sums[b].g2;
-        s.d2 += sums[b].d2;
-      }
+    const optim::tensor_sums s = have_sums ? optim::sum_blocks(sums, ts.first_block, ts.first_block + ts.blocks) : optim::tensor_sums{};
     out[t] = o.coefficients(ctx, s, ts.exempt);
   }
 }
@@ -143,68 +129,74 @@ optim_update(const param_table::block* __restrict__ blocks, std::size_t first, s
     // Elements of the block inside [lo, hi): a fused step updates each range as it becomes final.
     const std::size_t from = bk.lo > lo ? bk.lo : lo, to = bk.hi < hi ? bk.hi : hi;
 #pragma unroll 4
-    for (std::size_t i = from + threadIdx.x; i < to; i += Threads) {
-      float wi = w[i], vi = v ? v[i] : 0.0f;
-      O::update(k, wi, g[i], vi);
-      w[i] = wi;
-      if (v) v[i] = vi;
-      if (bf) bf[i] = codec::bf16_from_bits(__float_as_uint(wi));
-    }
+    for (std::size_t i = from + threadIdx.x; i < to; i += Threads)
+      optim::detail::update_element<O>(k, w, g, v, bf, i, v != nullptr, bf != nullptr);
   }
 }
 
 }  // namespace kernels
 
-namespace detail {
-
-inline void check_momentum(const auto& o, const float* v, const char* op) {
-  if (o.uses_momentum() && !v)
-    throw error(errc::invalid_argument, op, -1, -1, "the optimizer uses momentum but no buffer was given");
-}
-
-// Sums (when `sums`) and coefficients of tensors [t0, t1).
+// One step's kernels over a param_table's tensors, the device twin of optim::detail::sweep: w, g,
+// v (momentum; may be null when !o.uses_momentum()) and the optional bf16 copy of w are device
+// buffers of params().size() elements. Every call enqueues on the stream and returns.
 template <class O>
-void enqueue_coefficients(const O& o, param_table& table, optim::step_context ctx, bool sums, std::size_t t0,
-                          std::size_t t1, const float* w, const float* g, cudaStream_t s) {
-  using P = optim_policy;
-  if (t1 <= t0) return;
-  const auto [b0, b1] = optim::blocks_of(table.params(), t0, t1);
-  if (sums && b1 > b0) {
-    kernels::optim_sums<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
-        o, table.tensors(), table.blocks(), b0, b1 - b0, w, g, ctx.grad_scale, table.sums());
-    check_launch("optimizer sums");
+class sweep {
+ public:
+  sweep(const O& o, param_table& table, optim::step_context ctx, float* w, const float* g, float* v,
+        std::uint16_t* w_bf16, cudaStream_t s)
+      : o_(o), t_(table), ctx_(ctx), w_(w), g_(g), v_(o.uses_momentum() ? v : nullptr), bf_(w_bf16), s_(s) {
+    if (o.uses_momentum() && !v)
+      throw error(errc::invalid_argument, (std::string(O::name()) + " update").c_str(), -1, -1,
+                  "the optimizer uses momentum but no buffer was given");
   }
-  auto* k = table.coeffs<typename O::coeffs>(s);
-  kernels::optim_coefficients<O><<<static_cast<unsigned>((t1 - t0 + 127) / 128), 128, 0, s>>>(
-      o, table.tensors(), t0, t1 - t0, table.sums(), sums, ctx, k);
-  check_launch("optimizer coefficients");
-}
 
-// The update of tensors [t0, t1), restricted to elements [lo, hi).
-template <class O>
-void enqueue_update(const O& o, param_table& table, std::size_t t0, std::size_t t1, std::size_t lo, std::size_t hi,
-                    float* w, const float* g, float* v, std::uint16_t* w_bf16, cudaStream_t s) {
-  using P = optim_policy;
-  const auto [b0, b1] = optim::blocks_of(table.params(), t0, t1);
-  if (b1 <= b0 || hi <= lo) return;
-  kernels::optim_update<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s>>>(
-      table.blocks(), b0, b1 - b0, lo, hi, table.coeffs<typename O::coeffs>(s), w, g, o.uses_momentum() ? v : nullptr,
-      w_bf16);
-  check_launch("optimizer update");
-}
+  // Sums (when `sums`) and coefficients of tensors [t0, t1).
+  void coefficients(std::size_t t0, std::size_t t1, bool sums) {
+    using P = optim_policy;
+    if (t1 <= t0) return;
+    const auto [b0, b1] = optim::blocks_of(t_.params(), t0, t1);
+    if (sums && b1 > b0) {
+      kernels::optim_sums<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s_>>>(
+          o_, t_.tensors(), t_.blocks(), b0, b1 - b0, w_, g_, ctx_.grad_scale, t_.sums());
+      check_launch("optimizer sums");
+    }
+    kernels::optim_coefficients<O><<<static_cast<unsigned>((t1 - t0 + 127) / 128), 128, 0, s_>>>(
+        o_, t_.tensors(), t0, t1 - t0, t_.sums(), sums, ctx_, t_.coeffs<typename O::coeffs>(s_));
+    check_launch("optimizer coefficients");
+  }
+  // The update of tensors [t0, t1), restricted to elements [lo, hi).
+  void update(std::size_t t0, std::size_t t1, std::size_t lo, std::size_t hi) {
+    using P = optim_policy;
+    const auto [b0, b1] = optim::blocks_of(t_.params(), t0, t1);
+    if (b1 <= b0 || hi <= lo) return;
+    kernels::optim_update<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s_>>>(
+        t_.blocks(), b0, b1 - b0, lo, hi, t_.coeffs<typename O::coeffs>(s_), w_, g_, v_, bf_);
+    check_launch("optimizer update");
+  }
+  // Every tensor, with the norms the optimizer asks for.
+  void all() {
+    const optim::param_set& ps = t_.params();
+    coefficients(0, ps.tensor_count(), optim::needs_any_sums(o_, ps));
+    update(0, ps.tensor_count(), 0, ps.size());
+  }
 
-}  // namespace detail
+ private:
+  O o_;
+  param_table& t_;
+  optim::step_context ctx_;
+  float* w_;
+  const float* g_;
+  float* v_;
+  std::uint16_t* bf_;
+  cudaStream_t s_;
+};
 
-// One optimizer step over every tensor of the table's param_set: w, g, v (momentum; may be null
-// when !o.uses_momentum()) and the optional bf16 copy of w are device buffers of params().size()
-// elements. Enqueued on `s`; returns at once.
+// One optimizer step over every tensor of the table's param_set (the buffers as sweep's), enqueued
+// on `s`; returns at once.
 template <optim::optimizer O>
 void update_async(const O& o, param_table& table, optim::step_context ctx, float* w, const float* g, float* v,
                   cudaStream_t s, std::uint16_t* w_bf16 = nullptr) {
-  const auto& ps = table.params();
-  detail::check_momentum(o, v, (std::string(O::name()) + " update").c_str());
-  detail::enqueue_coefficients(o, table, ctx, optim::needs_any_sums(o, ps), 0, ps.tensor_count(), w, g, s);
-  detail::enqueue_update(o, table, 0, ps.tensor_count(), 0, ps.size(), w, g, v, w_bf16, s);
+  sweep<O>(o, table, ctx, w, g, v, w_bf16, s).all();
 }
 
 }  // namespace lockstep::device

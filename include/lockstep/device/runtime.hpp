@@ -10,8 +10,9 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <memory>
 #include <string>
-#include <utility>
+#include <type_traits>
 
 #include "../core/error.hpp"
 
@@ -49,47 +50,45 @@ inline int sm_count() {
 // GPU really run side by side.
 class stream {
  public:
-  stream() { LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  stream(stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-  stream& operator=(stream&& o) noexcept {
-    std::swap(s_, o.s_);
-    return *this;
+  stream() {
+    cudaStream_t s = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    s_.reset(s);
   }
-  ~stream() {
-    if (s_) cudaStreamDestroy(s_);  // completes pending work first, asynchronously
-  }
-  cudaStream_t get() const noexcept { return s_; }
-  operator cudaStream_t() const noexcept { return s_; }
-  void synchronize() const { LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+  cudaStream_t get() const noexcept { return s_.get(); }
+  operator cudaStream_t() const noexcept { return get(); }
+  void synchronize() const { LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(get())); }
 
  private:
-  cudaStream_t s_ = nullptr;
+  struct destroy {  // completes pending work first, asynchronously
+    void operator()(cudaStream_t s) const noexcept { cudaStreamDestroy(s); }
+  };
+  std::unique_ptr<std::remove_pointer_t<cudaStream_t>, destroy> s_;
 };
 
 // An event without timing: the cheap kind, used only to order streams and to poll for completion.
 class event {
  public:
-  explicit event(unsigned flags = cudaEventDisableTiming) { LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, flags)); }
-  event(event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  event& operator=(event&& o) noexcept {
-    std::swap(e_, o.e_);
-    return *this;
+  explicit event(unsigned flags = cudaEventDisableTiming) {
+    cudaEvent_t e = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
+    e_.reset(e);
   }
-  ~event() {
-    if (e_) cudaEventDestroy(e_);
-  }
-  cudaEvent_t get() const noexcept { return e_; }
-  void record(cudaStream_t s) { LOCKSTEP_CUDA_CHECK(cudaEventRecord(e_, s)); }
+  cudaEvent_t get() const noexcept { return e_.get(); }
+  void record(cudaStream_t s) { LOCKSTEP_CUDA_CHECK(cudaEventRecord(get(), s)); }
   // true once all work captured by the last record() has finished; never blocks.
   bool ready() const {
-    const cudaError_t r = cudaEventQuery(e_);
+    const cudaError_t r = cudaEventQuery(get());
     if (r == cudaErrorNotReady) return false;
     check(r, "cudaEventQuery");
     return true;
   }
 
  private:
-  cudaEvent_t e_ = nullptr;
+  struct destroy {
+    void operator()(cudaEvent_t e) const noexcept { cudaEventDestroy(e); }
+  };
+  std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, destroy> e_;
 };
 
 // Device memory of `n` elements of T, allocated and freed in stream order (cudaMallocAsync), so
@@ -98,27 +97,21 @@ template <class T>
 class buffer {
  public:
   buffer() = default;
-  buffer(std::size_t n, cudaStream_t s) : n_(n), s_(s) {
-    if (n) LOCKSTEP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(T), s));
+  buffer(std::size_t n, cudaStream_t s) : p_(nullptr, free_on{s}), n_(n) {
+    T* p = nullptr;
+    if (n) LOCKSTEP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p), n * sizeof(T), s));
+    p_.reset(p);
   }
-  buffer(buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)), s_(o.s_) {}
-  buffer& operator=(buffer&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(n_, o.n_);
-    std::swap(s_, o.s_);
-    return *this;
-  }
-  ~buffer() {
-    if (p_) cudaFreeAsync(p_, s_);
-  }
-  T* data() const noexcept { return p_; }
-  std::size_t size() const noexcept { return n_; }
-  cudaStream_t stream() const noexcept { return s_; }
+  T* data() const noexcept { return p_.get(); }
+  std::size_t size() const noexcept { return p_ ? n_ : 0; }  // 0 once moved from
 
  private:
-  T* p_ = nullptr;
+  struct free_on {
+    cudaStream_t s = nullptr;
+    void operator()(T* p) const noexcept { cudaFreeAsync(p, s); }
+  };
+  std::unique_ptr<T, free_on> p_;
   std::size_t n_ = 0;
-  cudaStream_t s_ = nullptr;
 };
 
 }  // namespace lockstep::device

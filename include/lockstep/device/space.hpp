@@ -4,31 +4,23 @@
 //   lockstep::group<transport::nccl> g(transport::nccl(comm, stream));   // space: cuda_space(stream)
 //   auto r = lockstep::all_reduce_async(g, grads, topology::ring{}, codec);  // enqueues, returns
 //
-// The kernels are device/codec.hpp's (the host codecs' element math, bit for bit) and one division
-// kernel below; memory is cudaMallocAsync'd and freed in stream order. Nothing here waits for the
-// GPU except drain(), which a failing call uses so that queued work is done before its error
-// reaches code that frees the buffers that work uses.
+// The kernels are device/codec.hpp's (the host codecs' element math, bit for bit) and the average's
+// division (space::detail::divide_by, the host's own); memory is cudaMallocAsync'd and freed in
+// stream order. Nothing here waits for the GPU except drain(), which a failing call uses so that
+// queued work is done before its error reaches code that frees the buffers that work uses.
 #pragma once
 
 #include "config.hpp"
 
 #include <chrono>
 #include <cstddef>
+#include <type_traits>
 
 #include "../core/space.hpp"
 #include "codec.hpp"
 #include "runtime.hpp"
 
 namespace lockstep::device {
-
-namespace kernels {
-// x[i] /= divisor, rounded as the host's `x[i] /= float(size)`.
-struct divide_elements {
-  float* __restrict__ x;
-  float divisor;
-  __device__ void operator()(std::size_t i) const { x[i] = __fdiv_rn(x[i], divisor); }
-};
-}  // namespace kernels
 
 class cuda_space {
  public:
@@ -41,25 +33,26 @@ class cuda_space {
   cudaStream_t handle() const noexcept { return s_; }
   static constexpr const char* name() noexcept { return "device"; }
 
+  // Error feedback on the wire is its inner codec; the residual lives wherever the caller keeps it.
   template <codec::codec C>
   void encode(C& c, const float* x, std::size_t n, std::byte* wire, float* residual) const {
-    device::encode(c, x, n, wire, s_, residual);
+    if constexpr (requires { c.inner(); }) encode(c.inner(), x, n, wire, residual);
+    else codec_kernels<std::remove_cvref_t<C>>::encode(c, x, n, wire, residual, s_);
   }
   template <codec::codec C>
-  void decode(const C& c, const std::byte* wire, std::size_t n, float* out) const {
-    device::decode(c, wire, n, out, s_);
+  void decode(const C& c, const std::byte* wire, std::size_t n, float* out, bool add = false) const {
+    if constexpr (requires { c.inner(); }) decode(c.inner(), wire, n, out, add);
+    else codec_kernels<C>::decode(c, wire, n, out, add, s_);
   }
   template <codec::codec C>
-  void decode_add(const C& c, const std::byte* wire, std::size_t n, float* acc) const {
-    device::decode_add(c, wire, n, acc, s_);
-  }
+  void decode_add(const C& c, const std::byte* wire, std::size_t n, float* acc) const { decode(c, wire, n, acc, true); }
   void copy(void* dst, const void* src, std::size_t bytes) const {
     if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s_), "cuda_space copy");
   }
   void zero(void* dst, std::size_t bytes) const {
     if (bytes) check(cudaMemsetAsync(dst, 0, bytes, s_), "cuda_space zero");
   }
-  void divide(float* x, std::size_t n, float by) const { for_each_index(n, kernels::divide_elements{x, by}, s_, "average"); }
+  void divide(float* x, std::size_t n, float by) const { for_each_index(n, space::detail::divide_by{x, by}, s_, "average"); }
   memory allocate(std::size_t bytes) const { return memory(bytes, s_); }
 
   void record(event& e) const { e.record(s_); }

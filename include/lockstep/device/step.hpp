@@ -22,7 +22,6 @@
 
 #include <cstdint>
 #include <span>
-#include <string>
 
 #include "../optim/plan.hpp"
 #include "../optim/step.hpp"
@@ -48,63 +47,39 @@ std::size_t plan_elements(const plan<O>& p) noexcept {
 }
 
 template <class O>
-class engine {
+class engine : public optim::engine_base {
  public:
   template <class G>
   engine(const plan<O>& p, float lr, G& g)
-      : p_(p), ps_(p.table.params()), stream_(g.stream()),
-        ctx_{lr, optim::grad_scale(p.average, g.size())},
-        norms_(optim::needs_any_sums(p.opt, ps_)) {
-    const std::size_t n = ps_.size();
-    auto bad = [&](const std::string& why) { return error(errc::invalid_argument, "device::step", -1, -1, why); };
-    if (p.weights.size() < n) throw bad("weights hold " + std::to_string(p.weights.size()) + " of the " + std::to_string(n) + " parameters");
-    if (p.grads.size() < n) throw bad("gradients hold " + std::to_string(p.grads.size()) + " of the " + std::to_string(n) + " parameters");
-    detail::check_momentum(p.opt, p.momentum, "device::step");
+      : engine_base(p.opt, p.table.params(), p.grads, p.average),
+        sw_(p.opt, p.table, {lr, optim::grad_scale(p.average, g.size())}, p.weights.data(), p.grads.data(), p.momentum,
+            p.weights_bf16, g.stream()) {  // the group's stream, where the epilogues enqueue
+    optim::detail::check_sizes("device::step", params().size(), p.weights.size(), p.grads.size(), 0);
     // Coefficients of an optimizer without norms depend on lr only: once, ahead of the all-reduces.
-    if (!norms_)
-      detail::enqueue_coefficients(p.opt, p.table, ctx_, false, 0, ps_.tensor_count(), p.weights.data(), p.grads.data(), stream());
+    if (!norms()) sw_.coefficients(0, params().tensor_count(), false);
   }
-  const optim::param_set& params() const noexcept { return ps_; }
-  bool norms() const noexcept { return norms_; }
-  reduce_op reduction() const noexcept {
-    return optim::detail::reduction_of(p_.average);
-  }
-  std::span<float> grads() const noexcept { return p_.grads; }
   void range(std::size_t lo, std::size_t hi) {
-    const auto [a, b] = ps_.tensors_in(lo, hi);  // the blocks that hold [lo, hi): those of its tensors
-    update(a, b, lo, hi);
+    const auto [a, b] = params().tensors_in(lo, hi);  // the blocks that hold [lo, hi): those of its tensors
+    sw_.update(a, b, lo, hi);
   }
   void tensors(std::size_t a, std::size_t b) {
-    detail::enqueue_coefficients(p_.opt, p_.table, ctx_, true, a, b, p_.weights.data(), p_.grads.data(), stream());
-    update(a, b, ps_[a].offset, ps_[b - 1].offset + ps_[b - 1].size);
+    sw_.coefficients(a, b, true);
+    sw_.update(a, b, params()[a].offset, params()[b - 1].offset + params()[b - 1].size);
   }
   void finish() noexcept {}
 
  private:
-  cudaStream_t stream() const noexcept { return stream_; }  // the group's: the epilogues enqueue there
-  void update(std::size_t a, std::size_t b, std::size_t lo, std::size_t hi) {
-    detail::enqueue_update(p_.opt, p_.table, a, b, lo, hi, p_.weights.data(), p_.grads.data(), p_.momentum,
-                           p_.weights_bf16, stream());
-  }
-
-  plan<O> p_;
-  const optim::param_set& ps_;
-  cudaStream_t stream_;
-  optim::step_context ctx_;
-  bool norms_;
+  sweep<O> sw_;
 };
 
 }  // namespace lockstep::device
 
 namespace lockstep::optim {
 
-// The device plan's begin_step: the same bucketed step over the device engine.
-template <class Tr, class T, class C, class O>
-  requires std::same_as<transport::space_of<Tr>, device::cuda_space>
-bucketed_step<Tr, T, C, device::engine<O>> begin_step(group<Tr>& g, const T& topo, C& codec, const device::plan<O>& p,
-                                                      std::span<const bucket> buckets, float lr) {
-  static_assert(check_optimizer<O>());
-  return bucketed_step<Tr, T, C, device::engine<O>>(g, topo, codec, p, buckets, lr);
-}
+// The device plan's step: optim::begin_step and optim::step over the device engine.
+template <class O>
+struct engine_for<device::plan<O>> {
+  using type = device::engine<O>;
+};
 
 }  // namespace lockstep::optim

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <string_view>
 #include <type_traits>
 
@@ -40,7 +41,22 @@ struct tensor_sums {
   double w2 = 0.0;
   double g2 = 0.0;
   double d2 = 0.0;
+  // A tensor's sums are its blocks' added in block order (host sweep and device kernel alike).
+  LOCKSTEP_HD constexpr tensor_sums& operator+=(const tensor_sums& b) noexcept {
+    w2 += b.w2;
+    g2 += b.g2;
+    d2 += b.d2;
+    return *this;
+  }
 };
+
+// The sums of blocks [b0, b1), added in block order: a tensor's from its blocks', by the host sweep
+// and the device kernel alike, so the order of the additions never depends on who adds.
+LOCKSTEP_HD constexpr tensor_sums sum_blocks(const tensor_sums* blocks, std::size_t b0, std::size_t b1) noexcept {
+  tensor_sums s;
+  for (std::size_t b = b0; b < b1; ++b) s += blocks[b];
+  return s;
+}
 
 // What one step tells every tensor.
 struct step_context {

@@ -83,30 +83,47 @@ reduce_op reduction_of(const plan<O>& p) noexcept {
 
 }  // namespace detail
 
-// What a step's epilogues do to the weights, on the host: optim::update's sweep over the thread
-// pool. The device's engine (device/step.hpp) enqueues the same element math as kernels; the
-// bucketed step below drives either.
+// What a step's epilogues do to the weights. Every engine answers the bucketed step below through
+// engine_base:
 //   params()            the tensors (completion and bucket checks)
 //   norms()             some tensor needs its norms: whole tensors are updated, not ranges
+//   reduction()         what the collective does (sum, or average: the plan's averaging)
+//   grads()             the flat gradient buffer the buckets cut
+// and does the work in
 //   range(lo, hi)       update [lo, hi) of the buffer (no norms)
 //   tensors(a, b)       update tensors [a, b), all of whose gradients are final (norms)
 //   finish()            the step is complete on this rank
+// host_engine runs optim::update's sweep over the thread pool; the device's engine (device/step.hpp)
+// enqueues the same element math as kernels. engine_for<Plan> names a plan's engine.
+class engine_base {
+ public:
+  template <class O>
+  engine_base(const O& opt, const param_set& ps, std::span<float> grads, averaging a)
+      : ps_(ps), grads_(grads), average_(a), norms_(needs_any_sums(opt, ps)) {}
+  const param_set& params() const noexcept { return ps_; }
+  bool norms() const noexcept { return norms_; }
+  reduce_op reduction() const noexcept { return detail::reduction_of(average_); }
+  std::span<float> grads() const noexcept { return grads_; }
+
+ private:
+  const param_set& ps_;
+  std::span<float> grads_;
+  averaging average_;
+  bool norms_;
+};
+
 template <class O>
-class host_engine {
+class host_engine : public engine_base {
  public:
   template <class G>
   host_engine(const plan<O>& p, float lr, G& g)
-      : p_(p),
+      : engine_base(p.opt, p.params, p.grads, p.average),
+        p_(p),
         sw_(p_.opt, p_.params, p_.weights.data(), p_.grads.data(), p_.st, step_context{lr, p_.grad_scale(g.size())},
-            p_.weights_bf16.empty() ? nullptr : p_.weights_bf16.data(), p_.pool),
-        norms_(needs_any_sums(p_.opt, p_.params)) {
+            p_.weights_bf16.empty() ? nullptr : p_.weights_bf16.data(), p_.pool) {
     detail::check_buffers("optim::step", p_.opt, p_.params, p_.weights.size(), p_.grads.size(), p_.weights_bf16.size(), p_.st);
-    if (!norms_) sw_.prepare_normless();
+    if (!norms()) sw_.prepare_normless();
   }
-  const param_set& params() const noexcept { return p_.params; }
-  bool norms() const noexcept { return norms_; }
-  reduce_op reduction() const noexcept { return detail::reduction_of(p_); }
-  std::span<float> grads() const noexcept { return p_.grads; }
   void range(std::size_t lo, std::size_t hi) { sw_.apply_range(lo, hi); }
   void tensors(std::size_t a, std::size_t b) {
     ready_.clear();
@@ -118,8 +135,14 @@ class host_engine {
  private:
   plan<O> p_;
   detail::sweep<O> sw_;             // refers to p_'s optimizer and buffers
-  bool norms_;
   std::vector<std::size_t> ready_;  // tensors completed by the current epilogue call
+};
+
+template <class Plan>
+struct engine_for;
+template <class O>
+struct engine_for<plan<O>> {
+  using type = host_engine<O>;
 };
 
 // One step in flight over a list of buckets; made by begin_step. Not copyable or movable: each
@@ -222,16 +245,17 @@ class bucketed_step {
 };
 
 // Starts a bucketed step: nothing is communicated until bucket_ready. Every rank must call it with
-// the same param_set, optimizer, averaging, buckets, topology, codec and learning rate.
-template <class Tr, class T, class C, class O>
-bucketed_step<Tr, T, C, host_engine<O>> begin_step(group<Tr>& g, const T& topo, C& codec, const plan<O>& p,
-                                                   std::span<const bucket> buckets, float lr) {
-  static_assert(check_optimizer<O>());
-  return bucketed_step<Tr, T, C, host_engine<O>>(g, topo, codec, p, buckets, lr);
+// the same param_set, optimizer, averaging, buckets, topology, codec and learning rate. Any plan
+// with an engine_for (optim::plan; device::plan, device/step.hpp).
+template <class Tr, class T, class C, class Plan, class Engine = typename engine_for<Plan>::type>
+bucketed_step<Tr, T, C, Engine> begin_step(group<Tr>& g, const T& topo, C& codec, const Plan& p,
+                                           std::span<const bucket> buckets, float lr) {
+  static_assert(check_optimizer<decltype(p.opt)>());
+  return bucketed_step<Tr, T, C, Engine>(g, topo, codec, p, buckets, lr);
 }
 
 // The fused step over the whole buffer: one all-reduce, the update as its epilogue. Any plan
-// begin_step takes (a device plan too, device/step.hpp).
+// begin_step takes.
 template <class Tr, class T, class C, class Plan>
 void step(group<Tr>& g, const T& topo, C& codec, const Plan& p, float lr) {
   const bucket whole[1] = {{0, plan_elements(p)}};

@@ -30,6 +30,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../codec/bf16.hpp"
@@ -66,6 +67,16 @@ struct lanes8 {  // the same arithmetic, one lane at a time
 inline void load8(lanes8& v, const float* p) noexcept { std::memcpy(v.x, p, sizeof v.x); }
 #endif
 
+// One element's terms of the sums of squares in fp64, each only when asked for: w², g², and
+// (s·g + β·w)² with the sum formed in fp32, as the lanes below form it. The tail loop below and the
+// CUDA sums kernel (device/optim.hpp, every element).
+template <bool W, bool G, bool D>
+LOCKSTEP_HD inline void add_squares(double& aw, double& ag, double& ad, float w, float g, float s, float b) noexcept {
+  if constexpr (W) aw += double(w) * double(w);
+  if constexpr (G) ag += double(g) * double(g);
+  if constexpr (D) ad += double(s * g + b * w) * double(s * g + b * w);
+}
+
 template <bool W, bool G, bool D>
 tensor_sums sum_squares(const float* w, const float* g, std::size_t n, float grad_scale, float decay) noexcept {
   constexpr std::size_t lanes = 16, run = 8 * lanes;
@@ -94,13 +105,7 @@ tensor_sums sum_squares(const float* w, const float* g, std::size_t n, float gra
         if constexpr (D) ad[8 * h + j] += fd[h][j];
       }
   }
-  for (std::size_t i = full; i < n; ++i) {
-    const std::size_t j = i % lanes;
-    const float x = w[i], y = g[i];
-    if constexpr (W) aw[j] += double(x) * double(x);
-    if constexpr (G) ag[j] += double(y) * double(y);
-    if constexpr (D) ad[j] += double(s * y + b * x) * double(s * y + b * x);
-  }
+  for (std::size_t i = full; i < n; ++i) add_squares<W, G, D>(aw[i % lanes], ag[i % lanes], ad[i % lanes], w[i], g[i], s, b);
   auto total = [](const double* a) {
     double h[lanes / 2];
     for (std::size_t j = 0; j < lanes / 2; ++j) h[j] = a[j] + a[j + lanes / 2];
@@ -128,10 +133,17 @@ inline tensor_sums sum_squares(const sum_request& r, const float* w, const float
   return {};
 }
 
-inline void add_to(tensor_sums& a, const tensor_sums& b) noexcept {
-  a.w2 += b.w2;
-  a.g2 += b.g2;
-  a.d2 += b.d2;
+// Element i's update: O's element math between the loads and the stores, v read and written only
+// with `momentum`, the bf16 copy of w only with `bf16`. Shared by the host loop below (where both
+// are constants) and the CUDA update kernel (device/optim.hpp).
+template <class O>
+LOCKSTEP_HD inline void update_element(const typename O::coeffs& k, float* w, const float* g, float* v, std::uint16_t* bf,
+                                       std::size_t i, bool momentum, bool bf16) noexcept {
+  float wi = w[i], vi = momentum ? v[i] : 0.0f;
+  O::update(k, wi, g[i], vi);
+  w[i] = wi;
+  if (momentum) v[i] = vi;
+  if (bf16) bf[i] = codec::bf16::to_wire(wi);
 }
 
 // The update loop around O's element math: one variant per (momentum buffer, bf16 copy) so that
@@ -139,14 +151,7 @@ inline void add_to(tensor_sums& a, const tensor_sums& b) noexcept {
 template <optimizer O, bool Momentum, bool Bf16>
 void apply_loop(const typename O::coeffs k, float* LOCKSTEP_RESTRICT w, const float* LOCKSTEP_RESTRICT g,
                 float* LOCKSTEP_RESTRICT v, std::uint16_t* LOCKSTEP_RESTRICT bf, std::size_t n) noexcept {
-  for (std::size_t i = 0; i < n; ++i) {
-    float wi = w[i], vi = 0.0f;
-    if constexpr (Momentum) vi = v[i];
-    O::update(k, wi, g[i], vi);
-    w[i] = wi;
-    if constexpr (Momentum) v[i] = vi;
-    if constexpr (Bf16) bf[i] = codec::bf16_from_bits(std::bit_cast<std::uint32_t>(wi));
-  }
+  for (std::size_t i = 0; i < n; ++i) update_element<O>(k, w, g, v, bf, i, Momentum, Bf16);
 }
 
 // One step's sweeps over a param_set on one rank. The collective steps (step.hpp) drive the same
@@ -194,21 +199,20 @@ class sweep {
         y = std::min(y, hi);
         const tensor_sums s = sum_squares(r, w_ + x, g_ + x, y - x, ctx_.grad_scale);
         tensor_sums& slot = bs[ps_.first_block(k.t) + b];
-        if (accumulate) add_to(slot, s);
+        if (accumulate) slot += s;
         else slot = s;
       }
     });
   }
   // Zeroes the block sums of `tensors` inside [lo, hi) before an accumulating pass.
   void clear_block_sums(std::span<const std::size_t> tensors, std::size_t lo, std::size_t hi) {
-    for_blocks(tensors, lo, hi, [&](std::size_t, std::size_t gb) { st_.block_sums()[gb] = {}; });
+    for (std::size_t t : tensors)
+      for (auto [b, e] = blocks_in(t, lo, hi); b < e; ++b) st_.block_sums()[b] = {};
   }
   // A tensor's sums over its blocks inside [lo, hi), added in block order.
   tensor_sums tensor_total(std::size_t t, std::size_t lo = 0, std::size_t hi = all) {
-    tensor_sums s;
-    const std::size_t one[1] = {t};
-    for_blocks(one, lo, hi, [&](std::size_t, std::size_t gb) { add_to(s, st_.block_sums()[gb]); });
-    return s;
+    const auto [b0, b1] = blocks_in(t, lo, hi);
+    return sum_blocks(st_.block_sums().data(), b0, b1);
   }
 
   void set_coeffs(std::size_t t, const tensor_sums& s) {
@@ -326,15 +330,14 @@ class sweep {
   }
 
  private:
-  template <class F>
-  void for_blocks(std::span<const std::size_t> tensors, std::size_t lo, std::size_t hi, F&& f) {
-    for (std::size_t t : tensors) {
-      const tensor_desc& d = ps_[t];
-      const std::size_t a = std::max(d.offset, lo), e = std::min(d.offset + d.size, hi);
-      if (a >= e) continue;
-      const std::size_t b0 = (a - d.offset) / ps_.policy().block, b1 = (e - d.offset - 1) / ps_.policy().block + 1;
-      for (std::size_t b = b0; b < b1; ++b) f(b, ps_.first_block(t) + b);
-    }
+  // The blocks of tensor t that hold elements of [lo, hi), as indices [b0, b1) of the state's block
+  // sums; empty when none does.
+  std::pair<std::size_t, std::size_t> blocks_in(std::size_t t, std::size_t lo, std::size_t hi) const noexcept {
+    const tensor_desc& d = ps_[t];
+    const std::size_t a = std::max(d.offset, lo), e = std::min(d.offset + d.size, hi);
+    if (a >= e) return {0, 0};
+    const std::size_t first = ps_.first_block(t), block = ps_.policy().block;
+    return {first + (a - d.offset) / block, first + (e - d.offset - 1) / block + 1};
   }
 
   void run_loop(const typename O::coeffs& k, std::size_t a, std::size_t n) noexcept {
@@ -370,15 +373,23 @@ class sweep {
   std::vector<piece> pieces_;
 };
 
+// Throws lockstep::error naming the buffer (w, g, the bf16 copy when bf != 0, in elements) that is
+// shorter than the param_set's n elements: the host's checks and the device step's.
+inline void check_sizes(const char* op, std::size_t n, std::size_t w, std::size_t g, std::size_t bf) {
+  auto bad = [&](const std::string& why) { return error(errc::invalid_argument, op, -1, -1, why); };
+  const std::string need = " elements; the param_set spans " + std::to_string(n);
+  if (w < n) throw bad("weights hold " + std::to_string(w) + need);
+  if (g < n) throw bad("gradients hold " + std::to_string(g) + need);
+  if (bf != 0 && bf < n) throw bad("the bf16 copy holds " + std::to_string(bf) + need);
+}
+
 // Throws lockstep::error naming the buffer that does not fit the param_set or the state.
 template <optimizer O>
 void check_buffers(const char* op, const O& opt, const param_set& ps, std::size_t w, std::size_t g, std::size_t bf,
                    state& st) {
   auto bad = [&](const std::string& why) { return error(errc::invalid_argument, op, -1, -1, why); };
   const std::string need = " elements; the param_set spans " + std::to_string(ps.size());
-  if (w < ps.size()) throw bad("weights hold " + std::to_string(w) + need);
-  if (g < ps.size()) throw bad("gradients hold " + std::to_string(g) + need);
-  if (bf != 0 && bf < ps.size()) throw bad("the bf16 copy holds " + std::to_string(bf) + need);
+  check_sizes(op, ps.size(), w, g, bf);
   if (opt.uses_momentum() && st.momentum().size() < ps.size())
     throw bad("the state has no momentum buffer for this param_set (" + std::to_string(st.momentum().size()) +
               need + "): build it as state(params, optimizer)");

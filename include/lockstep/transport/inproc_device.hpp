@@ -10,10 +10,10 @@
 
 #include <cuda_runtime.h>
 
-#include "../collective/group.hpp"
 #include "../device/runtime.hpp"
 #include "../device/space.hpp"
 #include "inproc_stream.hpp"
+#include "run_inproc.hpp"
 
 namespace lockstep::transport {
 
@@ -29,16 +29,12 @@ namespace lockstep {
 // the others' waits.
 template <class F>
 void run_inproc_device(int n, F&& f, group_options opt = {}) {
-  auto world = transport::inproc_device::make_world(n);
   int dev = 0;
   device::check(cudaGetDevice(&dev), "cudaGetDevice");
-  transport::detail::run_ranks(n, *world, [&](int r) {
+  detail::run_stream_ranks<transport::inproc_device>(n, f, opt, [&](int r, auto&& body) {
     device::check(cudaSetDevice(dev), "cudaSetDevice", r);
-    device::stream s;  // declared before the group: the group frees its scratch on it
-    {
-      group<transport::inproc_device> g(transport::inproc_device(world, r, s.get()), opt);
-      f(g);
-    }
+    device::stream s;
+    body(s.get());
     s.synchronize();
   });
 }

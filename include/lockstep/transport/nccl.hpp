@@ -23,6 +23,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../core/error.hpp"
@@ -50,14 +51,11 @@ class nccl {
   class communicator {
    public:
     communicator() = default;
-    explicit communicator(ncclComm_t c) : s_(std::make_shared<state>(c)) {}
-    ncclComm_t get() const noexcept { return s_ && !s_->aborted ? s_->comm : nullptr; }
+    explicit communicator(ncclComm_t c) : c_(std::make_shared<owned>(c)) {}
+    ncclComm_t get() const noexcept { return c_ ? c_->comm : nullptr; }
     // ncclCommAbort instead of the destroy: frees the communicator and unblocks its pending work.
     void abort() {
-      if (s_ && !s_->aborted) {
-        s_->aborted = true;
-        ncclCommAbort(s_->comm);
-      }
+      if (get()) ncclCommAbort(std::exchange(c_->comm, nullptr));
     }
 
     // One communicator per listed device, all in this process (ncclCommInitAll). NCCL needs
@@ -78,15 +76,14 @@ class nccl {
     }
 
    private:
-    struct state {
-      explicit state(ncclComm_t c) : comm(c) {}
-      ~state() {
-        if (comm && !aborted) ncclCommDestroy(comm);
+    struct owned {
+      explicit owned(ncclComm_t c) : comm(c) {}
+      ~owned() {
+        if (comm) ncclCommDestroy(comm);
       }
-      ncclComm_t comm;
-      bool aborted = false;
+      ncclComm_t comm;  // null once aborted
     };
-    std::shared_ptr<state> s_;
+    std::shared_ptr<owned> c_;
   };
 
   using space_type = device::cuda_space;

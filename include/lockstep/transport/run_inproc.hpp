@@ -26,15 +26,30 @@ void run_inproc(int n, F&& f, group_options opt = {}) {
   });
 }
 
+namespace detail {
+
+// n ranks of the stream-ordered transport Tr (inproc_stream<Space>), a thread each: with_stream(r,
+// body) makes rank r's stream, calls body(its handle) and synchronises the stream once body has
+// returned; body runs f on rank r's group, which ends inside it (the group frees its scratch on the
+// stream).
+template <class Tr, class F, class WithStream>
+void run_stream_ranks(int n, F& f, const group_options& opt, WithStream&& with_stream) {
+  auto world = Tr::make_world(n);
+  transport::detail::run_ranks(n, *world, [&](int r) {
+    with_stream(r, [&](typename Tr::space_type::handle_type stream) {
+      group<Tr> g(Tr(world, r, stream), opt);
+      f(g);
+    });
+  });
+}
+
+}  // namespace detail
+
 template <class F>
 void run_inproc_deferred(int n, F&& f, group_options opt = {}) {
-  auto world = transport::inproc_deferred::make_world(n);
-  transport::detail::run_ranks(n, *world, [&](int r) {
-    host_stream s(opt.timeout);  // declared before the group: the group frees its scratch on it
-    {
-      group<transport::inproc_deferred> g(transport::inproc_deferred(world, r, &s), opt);
-      f(g);
-    }
+  detail::run_stream_ranks<transport::inproc_deferred>(n, f, opt, [&](int, auto&& body) {
+    host_stream s(opt.timeout);
+    body(&s);
     s.synchronize();
   });
 }
