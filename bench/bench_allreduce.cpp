@@ -268,7 +268,8 @@ struct contender {
 template <codec::codec C, topology::topology_policy T, transport::transport Tr>
 contender lockstep_contender(group<Tr>& g, const T& topo, const std::string& topo_name) {
   return {topo_name, std::string(C{}.name()),
-          [&g, topo, c = C{}](float* x, std::size_t n) mutable { all_reduce(g, std::span<float>(x, n), topo, c); }};
+          [&g, topo, c = C{}](float* x, std::size_t n) mutable { all_reduce(g, std::span<float>(x, n), topo, c); },
+          {}};
 }
 
 // automatic: what it chooses for n values of codec C on this group, "name" or "name/segment".
@@ -430,7 +431,8 @@ int run_mpi_bench(const options& o, int* argc, char*** argv) {
   if (o.mpi_peer)
     cs.push_back({"mpi_allreduce", "fp32", [comm](float* x, std::size_t n) {
                     MPI_Allreduce(MPI_IN_PLACE, x, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm);
-                  }});
+                  },
+                  {}});
   try {
     for (std::size_t bytes : o.sizes)
       for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "mpi"))

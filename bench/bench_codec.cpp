@@ -2,7 +2,7 @@
 // beside memcpy of a buffer of the same size measured in the same run, and how much it loses.
 //
 //   lockstep-bench-codec [--codec all|fp32|bf16|int8|dyntree8] [--sizes 64K,1M,64M] [--iters N]
-//                        [--block B] [--json]
+//                        [--block B] [--feedback] [--json]
 //
 // Rates are fp32 bytes processed per second: encode_gbs = 4n / t(encode), decode_add_gbs =
 // 4n / t(decode_add), roundtrip_gbs = 4n / (t(encode) + t(decode_add)); memcpy_gbs = 4n / t(memcpy
@@ -95,6 +95,7 @@ struct options {
   int iters = 7;
   std::size_t block = 512;
   bool json = false;
+  bool feedback = false;
 };
 
 template <class C>
@@ -167,6 +168,59 @@ void run(const char* name, const C& c, const options& o, const std::vector<float
   }
 }
 
+// --feedback: error feedback's encode step (v = x + r, wire = C(v), r = v - decode(wire)) as
+// error_feedback<C> runs it (fused per block for int8 and dyntree8: blockwise::encode_feedback)
+// against the same step in four passes (error_feedback<C>::encode_in_passes), both over a rotation
+// as above, alternating within each round. Rates are fp32 bytes of x per second.
+template <class C>
+void run_feedback(const char* name, const C& c, const options& o, const std::vector<float>& gauss) {
+  for (std::size_t bytes : o.sizes) {
+    const std::size_t n = std::max<std::size_t>(1, bytes / sizeof(float));
+    const std::size_t rot = std::min<std::size_t>(std::max<std::size_t>(2, (std::size_t{256} << 20) / (n * sizeof(float)) + 1), 64);
+    std::vector<std::vector<float>> in(rot, std::vector<float>(n)), res(rot, std::vector<float>(n, 0.0f));
+    std::vector<std::vector<std::byte>> wire(rot, std::vector<std::byte>(c.wire_bytes(n)));
+    for (std::size_t b = 0; b < rot; ++b)
+      for (std::size_t i = 0; i < n; ++i) in[b][i] = gauss[(i + b * 7919) % gauss.size()];
+    const std::size_t reps = std::max<std::size_t>(1, (std::size_t{64} << 20) / (n * sizeof(float)));
+    codec::error_feedback<C> ef(c);
+    std::vector<double> t_fused, t_passes, ratio;
+    for (int it = 0; it < o.iters; ++it) {
+      auto buffer = [&](std::size_t r, std::size_t ahead) { return (static_cast<std::size_t>(it) * reps + r + ahead) % rot; };
+      double f = 0, p = 0;
+      auto fused = [&] {
+        f = seconds([&] {
+          for (std::size_t r = 0; r < reps; ++r) {
+            const std::size_t b = buffer(r, 0);
+            ef.encode_with_residual(in[b].data(), n, wire[b].data(), res[b].data());
+          }
+        });
+      };
+      auto passes = [&] {
+        p = seconds([&] {
+          for (std::size_t r = 0; r < reps; ++r) {
+            const std::size_t b = buffer(r, rot / 2);
+            codec::error_feedback<C>::encode_in_passes(c, in[b].data(), n, wire[b].data(), res[b].data());
+          }
+        });
+      };
+      if (it % 2) fused(), passes();
+      else passes(), fused();
+      t_fused.push_back(f / static_cast<double>(reps));
+      t_passes.push_back(p / static_cast<double>(reps));
+      ratio.push_back(p / f);
+    }
+    const double gb = static_cast<double>(n * sizeof(float)) / 1e9;
+    if (o.json)
+      std::printf("{\"codec\":\"%s+ef\",\"bytes\":%zu,\"ef_encode_gbs\":%.3f,\"ef_passes_gbs\":%.3f,\"speedup\":%.3f,"
+                  "\"block\":%zu}\n",
+                  name, n * sizeof(float), gb / median(t_fused), gb / median(t_passes), median(ratio), c.block());
+    else
+      std::printf("%-12s %10zu %12.2f %12.2f %8.2fx\n", name, n * sizeof(float), gb / median(t_fused), gb / median(t_passes),
+                  median(ratio));
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -185,9 +239,10 @@ int main(int argc, char** argv) {
     else if (a == "--iters") o.iters = std::max(1, std::atoi(next().c_str()));
     else if (a == "--block") o.block = static_cast<std::size_t>(std::atol(next().c_str()));
     else if (a == "--json") o.json = true;
+    else if (a == "--feedback") o.feedback = true;
     else {
       std::printf("usage: lockstep-bench-codec [--codec all|fp32|bf16|int8|dyntree8] [--sizes 64K,1M,64M]\n"
-                  "                            [--iters N] [--block B] [--json]\n");
+                  "                            [--iters N] [--block B] [--feedback] [--json]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -197,10 +252,16 @@ int main(int argc, char** argv) {
   std::vector<float> gauss(1 << 20), heavy(1 << 20);
   for (auto& v : gauss) v = nd(g);
   for (auto& v : heavy) v = td(g);
+  auto want = [&](const char* c) { return o.codec == "all" || o.codec == c; };
+  if (o.feedback) {
+    if (!o.json) std::printf("%-12s %10s %12s %12s %9s\n", "codec", "bytes", "ef GB/s", "passes GB/s", "speedup");
+    if (want("int8")) run_feedback("int8", codec::int8{o.block}, o, gauss);
+    if (want("dyntree8")) run_feedback("dyntree8", codec::dyntree8{o.block}, o, gauss);
+    return 0;
+  }
   if (!o.json)
     std::printf("%-9s %10s %9s %9s %9s %9s %8s %10s %10s %10s %10s\n", "codec", "bytes", "enc GB/s", "dec+ GB/s",
                 "rt GB/s", "memcpy", "rt/cpy", "N01 mean", "N01 max", "t2 mean", "t2 max");
-  auto want = [&](const char* c) { return o.codec == "all" || o.codec == c; };
   if (want("fp32")) run("fp32", codec::fp32{}, o, gauss, heavy);
   if (want("bf16")) run("bf16", codec::bf16{}, o, gauss, heavy);
   if (want("int8")) run("int8", codec::int8{o.block}, o, gauss, heavy);

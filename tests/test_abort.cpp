@@ -4,6 +4,7 @@
 // transport's version is tests/mpi/fault_inject.cpp (real processes, killed ones too).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <optional>
@@ -119,5 +120,126 @@ TEST_CASE("a failing rank stops every rank of the group at once, naming it", "[a
       CHECK(o.took < 1s);
       CHECK_THAT(o.what, Catch::Contains("rank 0 failed: rank 0 ran out of data"));
     }
+  }
+}
+
+// The groups split from one group are a family: a failure in any of them aborts all of them
+// (docs/reliability.md, "Every group of a rank"), so a rank waiting in the parent or in a sibling
+// group is not left to its timeout. Each rank says which of its groups threw; the failing rank is
+// named in that group's numbering (peer(); -1 where it is not a member) and in the parent's.
+namespace {
+
+struct family_outcome {
+  outcome o;
+  std::string where;  // the group whose call threw
+  std::vector<int> members;  // that group's ranks, in the parent's numbering
+};
+
+// rows: {0,1}, {2,3}, ...; cols: the even ranks and the odd ranks. `fail_in` ("rows" or "cols"):
+// where rank `bad` throws (its epilogue, on the first call there); every rank runs rows, cols,
+// then the parent, each an all-reduce.
+std::vector<family_outcome> run_family(int n, int bad, const std::string& fail_in) {
+  std::vector<family_outcome> out(static_cast<std::size_t>(n));
+  std::vector<float> v0(4096, 1.0f);
+  run_inproc(n, [&](inproc_group& g) {
+    auto& f = out[static_cast<std::size_t>(g.rank())];
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<float> v = v0;
+    codec::fp32 c;
+    try {
+      inproc_group rows = g.split(g.rank() / 2, g.rank()), cols = g.split(g.rank() % 2, g.rank());
+      for (auto [name, h] : {std::pair<const char*, inproc_group*>{"rows", &rows}, {"cols", &cols}, {"parent", &g}}) {
+        f.where = name;
+        f.members.clear();
+        for (int r = 0; r < n; ++r)
+          if (std::string(name) == "parent" || (std::string(name) == "rows" ? r / 2 == g.rank() / 2 : r % 2 == g.rank() % 2))
+            f.members.push_back(r);
+        auto ep = [&](std::size_t, std::size_t) {
+          if (g.rank() == bad && fail_in == name) throw std::runtime_error("injected fault in " + fail_in);
+        };
+        all_reduce(*h, std::span<float>(v), topology::ring{}, c, reduce_op::sum, ep);
+      }
+    } catch (const error& e) {
+      f.o.code = e.code();
+      f.o.peer = e.peer();
+      f.o.what = e.what();
+    } catch (const std::exception& e) {
+      f.o.what = e.what();
+    }
+    f.o.took = std::chrono::steady_clock::now() - t0;
+  }, group_options{20s});
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a failure in one group of a rank aborts the parent and the sibling groups, naming it", "[abort][split]") {
+  const int n = GENERATE(4, 5);
+  const std::string fail_in = GENERATE(as<std::string>{}, "rows", "cols");
+  const int bad = 1;
+  INFO(n << " ranks, rank " << bad << " fails in " << fail_in);
+  const auto out = run_family(n, bad, fail_in);
+  for (int r = 0; r < n; ++r) {
+    const auto& f = out[static_cast<std::size_t>(r)];
+    INFO("rank " << r << " (in " << f.where << "): " << f.o.what);
+    CHECK(f.o.took < 2s);  // the group timeout is 20 s
+    if (r == bad) {
+      CHECK(f.where == fail_in);
+      CHECK_FALSE(f.o.code);
+      CHECK(f.o.what == "injected fault in " + fail_in);
+      continue;
+    }
+    REQUIRE(f.o.code);
+    CHECK(*f.o.code == errc::aborted);
+    CHECK_THAT(f.o.what, Catch::Contains("injected fault in " + fail_in));
+    const auto it = std::find(f.members.begin(), f.members.end(), bad);
+    const int here = it == f.members.end() ? -1 : static_cast<int>(it - f.members.begin());
+    CHECK(f.o.peer == here);
+    if (f.where == fail_in && here >= 0) {
+      CHECK_THAT(f.o.what, Catch::Contains("rank " + std::to_string(here) + (here != bad ? " (rank 1 of the parent group)" : "") +
+                                           " failed: "));
+    } else if (here < 0) {
+      CHECK_THAT(f.o.what, Catch::Contains("rank 1 of the parent group failed in another of its groups"));
+    } else {
+      CHECK_THAT(f.o.what, Catch::Contains("failed in another of its groups") &&
+                               Catch::Contains(here == bad ? "rank 1 " : "(rank 1 of the parent group)"));
+    }
+  }
+}
+
+TEST_CASE("a failure in a group split from a split reaches the first group; later splits fail at once", "[abort][split]") {
+  const int n = 6;
+  std::vector<outcome> out(n);
+  std::vector<float> v0(1000, 1.0f);
+  run_inproc(n, [&](inproc_group& g) {
+    auto& o = out[static_cast<std::size_t>(g.rank())];
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<float> v = v0;
+    codec::fp32 c;
+    try {
+      inproc_group half = g.split(g.rank() / 3, g.rank());
+      inproc_group sub = half.split(half.rank() / 2, half.rank());  // {0,1} {2} {3,4} {5}
+      if (g.rank() == 4) {
+        sub.abort("rank 4 lost its data loader");
+        inproc_group again = g.split(0, g.rank());  // the family has failed: no new group of it
+        return;
+      }
+      if (sub.size() == 1) all_reduce(half, std::span<float>(v), topology::ring{}, c);
+      all_reduce(g, std::span<float>(v), topology::ring{}, c);
+    } catch (const error& e) {
+      o.code = e.code();
+      o.peer = e.peer();
+      o.what = e.what();
+    }
+    o.took = std::chrono::steady_clock::now() - t0;
+  }, group_options{20s});
+  for (int r = 0; r < n; ++r) {
+    const auto& o = out[static_cast<std::size_t>(r)];
+    INFO("rank " << r << ": " << o.what);
+    REQUIRE(o.code);
+    CHECK(*o.code == errc::aborted);
+    CHECK(o.took < 2s);
+    CHECK_THAT(o.what, Catch::Contains("rank 4 lost its data loader"));
+    if (r == 4) CHECK_THAT(o.what, Catch::Contains("split"));
   }
 }

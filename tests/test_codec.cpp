@@ -682,3 +682,49 @@ TEST_CASE("int8: the never-written code 0x80 decodes as -127 on every path, a fi
     CHECK(acc[i] == y[i]);
   }
 }
+
+TEST_CASE("the blockwise codecs' fused error-feedback step gives the four passes' bits", "[codec][ef]") {
+  // error_feedback<int8 / dyntree8> encodes through blockwise::encode_feedback (one block at a time
+  // in cache); every other codec through encode_in_passes. Both must leave the same wire bytes and
+  // residuals, round after round, special blocks included.
+  auto check = [](auto c) {
+    using C = decltype(c);
+    static_assert(requires(C& k, const float* in, std::byte* out, float* r) { k.encode_feedback(in, 1, out, r); });
+    const std::size_t B = c.block();
+    for (const std::size_t n : {std::size_t{0}, std::size_t{1}, B - 1, B, B + 1, 3 * B + 7, std::size_t{4099}, std::size_t{100003}}) {
+      std::vector<float> r_fused = normal(n, 99 + static_cast<std::uint32_t>(n), 0.01f), r_passes = r_fused;
+      std::vector<std::byte> w_fused(c.wire_bytes(n), std::byte{0xab}), w_passes = w_fused;
+      for (std::uint32_t round = 0; round < 3; ++round) {
+        std::vector<float> x = normal(n, 7 + static_cast<std::uint32_t>(n) + 1000 * round);
+        // Block 1 all zero, 2 holds a NaN, 3 an Inf, 4 subnormals only, 5 overflows to Inf in x + r.
+        auto block = [&](std::size_t b, auto fill) {
+          for (std::size_t i = b * B; i < std::min(n, (b + 1) * B); ++i) fill(i);
+        };
+        block(1, [&](std::size_t i) { x[i] = 0.0f, r_fused[i] = r_passes[i] = 0.0f; });
+        if (2 * B < n) x[2 * B] = std::numeric_limits<float>::quiet_NaN();
+        if (3 * B + 1 < n) x[3 * B + 1] = -std::numeric_limits<float>::infinity();
+        block(4, [&](std::size_t i) { x[i] = 1e-39f * static_cast<float>(i % 7), r_fused[i] = r_passes[i] = 0.0f; });
+        block(5, [&](std::size_t i) { x[i] = 3e38f, r_fused[i] = r_passes[i] = 3e38f; });
+        c.encode_feedback(x.data(), n, w_fused.data(), r_fused.data());
+        codec::error_feedback<C>::encode_in_passes(c, x.data(), n, w_passes.data(), r_passes.data());
+        INFO(c.name() << " block " << B << ", n " << n << ", round " << round);
+        REQUIRE(std::memcmp(w_fused.data(), w_passes.data(), w_fused.size()) == 0);
+        REQUIRE(std::memcmp(r_fused.data(), r_passes.data(), n * sizeof(float)) == 0);
+      }
+    }
+    // And error_feedback<C> takes the fused path: the same bits as the passes through it.
+    codec::error_feedback<C> ef(c);
+    const std::size_t n = 5 * B + 3;
+    const std::vector<float> x = normal(n, 5);
+    std::vector<float> r(n, 0.001f), r_passes = r;
+    std::vector<std::byte> w(c.wire_bytes(n)), w_passes(w.size());
+    ef.encode_with_residual(x.data(), n, w.data(), r.data());
+    codec::error_feedback<C>::encode_in_passes(c, x.data(), n, w_passes.data(), r_passes.data());
+    CHECK(std::memcmp(w.data(), w_passes.data(), w.size()) == 0);
+    CHECK(std::memcmp(r.data(), r_passes.data(), n * sizeof(float)) == 0);
+  };
+  check(codec::dyntree8{});
+  check(codec::dyntree8{64});
+  check(codec::int8{});
+  check(codec::int8{64});
+}

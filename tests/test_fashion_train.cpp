@@ -325,9 +325,41 @@ TEST_CASE("a checkpoint killed while being written leaves the previous one, and 
   CHECK_FALSE(fs::exists(tmp));
 }
 
-// What --resume refuses, each with an error that starts with the file's path and says why. Not
-// caught: a flipped bit in the epoch or step counters or in the arrays (the format has no checksum;
-// docs/reliability.md, "Checkpoints").
+TEST_CASE("a checkpoint of the previous format (no CRC) resumes bit-for-bit", "[fashion][train]") {
+  options full = small_run("old-full");
+  options split = full;
+  split.out = data_dir().dir + "/old-split";
+  train_inproc(full);
+  split.stop_after = 1;
+  train_inproc(split);
+  const std::string path = split.out + "/checkpoint.bin";
+  std::vector<char> bytes;
+  {
+    std::ifstream f(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  REQUIRE(bytes.size() > 68);
+  bytes.resize(bytes.size() - 4);  // LSCKPT02: the same file without the CRC
+  std::memcpy(bytes.data(), "LSCKPT02", 8);
+  {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  REQUIRE_FALSE(sample::read_checkpoint(path, checkpoint_format).checksummed);
+  split.resume = true;
+  train_inproc(split);
+  const checkpoint a = final_state(full), b = final_state(split);
+  CHECK(b.epochs_done == 2);
+  CHECK(a.global_step == b.global_step);
+  CHECK(a.params == b.params);
+  CHECK(a.running == b.running);
+  CHECK(a.momentum == b.momentum);
+  CHECK(sample::read_checkpoint(path, checkpoint_format).checksummed);  // what it writes is the new format
+}
+
+// What --resume refuses, each with an error that starts with the file's path and says why: a flipped
+// bit anywhere (a size word: the size check; any other: the CRC-32), a cut, trailing bytes, another
+// file, other flags. The previous format (LSCKPT02, no CRC) still loads, saying so.
 TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a named error", "[fashion][train]") {
   options o = small_run("corrupt");
   o.epochs = 1;
@@ -338,7 +370,7 @@ TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a na
     std::ifstream f(path, std::ios::binary);
     good.assign(std::istreambuf_iterator<char>(f), {});
   }
-  REQUIRE(good.size() > 64);
+  REQUIRE(good.size() > 68);
   auto write = [&](const std::vector<char>& bytes) {
     std::ofstream f(path, std::ios::binary | std::ios::trunc);
     f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -354,7 +386,8 @@ TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a na
     }
   };
   SECTION("truncated anywhere") {
-    for (std::size_t keep : {std::size_t{0}, std::size_t{7}, std::size_t{40}, std::size_t{64}, good.size() / 2, good.size() - 1}) {
+    for (std::size_t keep : {std::size_t{0}, std::size_t{7}, std::size_t{40}, std::size_t{64}, good.size() / 2, good.size() - 4,
+                             good.size() - 1}) {
       INFO("kept " << keep << " of " << good.size() << " bytes");
       write(std::vector<char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(keep)));
       const std::string r = refused(keep < 64 ? "not a lockstep checkpoint" : "truncated or not a checkpoint of this program");
@@ -367,20 +400,56 @@ TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a na
     write(longer);
     CHECK(refused("truncated or not a checkpoint of this program") == "ok");
   }
-  SECTION("every bit of the magic, channels, sizes, seed and fingerprint flipped, one at a time") {
-    // Header bytes: magic 0..7, epochs/step 8..19 (not checked), sizes 20..31, channels 32..43,
-    // residual size 44..47, seed and fingerprint 48..63.
+  SECTION("every bit of the header flipped, one at a time") {
+    // Header bytes: magic 0..7, epochs/step 8..19, sizes 20..31, channels 32..43, residual size
+    // 44..47, seed and fingerprint 48..63. A size: the size check; the magic: not a checkpoint (or
+    // another format); any other: the CRC.
     for (std::size_t byte = 0; byte < 64; ++byte) {
-      if (byte >= 8 && byte < 20) continue;
+      const bool size = (byte >= 20 && byte < 32) || (byte >= 44 && byte < 48);
       for (int bit = 0; bit < 8; ++bit) {
         auto bad = good;
         bad[byte] = static_cast<char>(bad[byte] ^ (1 << bit));
         write(bad);
         INFO("byte " << byte << " bit " << bit);
-        const std::string r = refused("");
+        const std::string r = refused(byte < 8 ? "" : size ? "truncated or not a checkpoint of this program" : "corrupted checkpoint: the CRC-32");
         CHECK(r == "ok");
       }
     }
+  }
+  SECTION("a bit flipped in the arrays or the CRC: the CRC") {
+    for (std::size_t byte : {std::size_t{64}, std::size_t{67}, good.size() / 2, good.size() - 5, good.size() - 4, good.size() - 1})
+      for (int bit : {0, 5, 7}) {
+        auto bad = good;
+        bad[byte] = static_cast<char>(bad[byte] ^ (1 << bit));
+        write(bad);
+        INFO("byte " << byte << " of " << good.size() << ", bit " << bit);
+        CHECK(refused("corrupted checkpoint: the CRC-32") == "ok");
+      }
+  }
+  SECTION("the previous format (LSCKPT02, no CRC) loads, said in a log line; cut short it is refused") {
+    auto old = std::vector<char>(good.begin(), good.end() - 4);
+    std::memcpy(old.data(), "LSCKPT02", 8);
+    write(old);
+    std::FILE* log = std::tmpfile();
+    REQUIRE(log);
+    const sample::checkpoint_file f = sample::read_checkpoint(path, checkpoint_format, log);
+    CHECK_FALSE(f.checksummed);
+    std::rewind(log);
+    char line[512] = {};
+    CHECK(std::fgets(line, sizeof line, log) != nullptr);
+    std::fclose(log);
+    CHECK_THAT(std::string(line), Catch::StartsWith(path + ": ") && Catch::Contains("no checksum"));
+    write(good);
+    const checkpoint now = load_checkpoint(path, o);
+    CHECK(f.data.epochs_done == now.epochs_done);
+    CHECK(f.data.global_step == now.global_step);
+    CHECK(f.data.params == now.params);
+    CHECK(f.data.running == now.running);
+    CHECK(f.data.momentum == now.momentum);
+    CHECK(sample::read_checkpoint(path, checkpoint_format).checksummed);
+    old.pop_back();
+    write(old);
+    CHECK(refused("truncated or not a checkpoint of this program") == "ok");
   }
   SECTION("a file that is not a checkpoint, and one of another program's format") {
     write(std::vector<char>(good.size(), 'x'));

@@ -25,6 +25,9 @@ Figures per variant (milliseconds, the slowest rank's mean over the timed steps)
            one after another outside backward (gloo: async all_reduce of every bucket, then wait;
            fp16: cast, async all_reduce, wait, cast back; lockstep: its hook's path for every
            bucket, then wait) -- the figure the targets compare
+  comm cpu the CPU time of a rank's whole process (every thread: Python, lockstep's worker, Gloo's)
+           during one comm, mean over ranks: where comm is well above the links' bound and comm
+           cpu x ranks per core comes near comm, the variant waits for CPU, not for the network
 Table on stdout (ratios of comm against gloo and fp16_hook), or JSON lines with --json.
 """
 import argparse
@@ -96,6 +99,11 @@ def rank_main(rank, world, init, a):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() * 1e3
 
+    def mean(seconds):
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / world * 1e3
+
     def build(v):
         model = DDP(make_model(torch, a.model, a.image)[0])
         if v == "fp16_hook":
@@ -155,7 +163,7 @@ def rank_main(rank, world, init, a):
             if errors:
                 raise RuntimeError(errors[0])
 
-    results = {v: {"step": [], "exposed": [], "comm": []} for v in variants}
+    results = {v: {"step": [], "exposed": [], "comm": [], "comm_cpu": []} for v in variants}
     failed = {}
     models = {}
     for rnd in range(a.rounds):
@@ -183,14 +191,16 @@ def rank_main(rank, world, init, a):
                 t_local = (time.perf_counter() - t0) / a.steps
                 comm_once(v)
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 for _ in range(a.steps):
                     comm_once(v)
                 t_comm = (time.perf_counter() - t0) / a.steps
+                cpu_comm = (time.process_time() - cpu0) / a.steps
                 s, lo, c = slowest(t_step), slowest(t_local), slowest(t_comm)
                 results[v]["step"].append(s)
                 results[v]["exposed"].append(s - lo)
                 results[v]["comm"].append(c)
+                results[v]["comm_cpu"].append(mean(cpu_comm))
             except Exception as e:  # the same failure on every rank (bf16 on Gloo): reported, not fatal
                 failed[v] = str(e).splitlines()[0][:160]
                 models.pop(v, None)
@@ -203,7 +213,8 @@ def rank_main(rank, world, init, a):
             rows.append({"variant": v, "failed": failed[v]})
             continue
         r = {k: sum(vals) / len(vals) for k, vals in results[v].items()}
-        rows.append({"variant": v, "step_ms": r["step"], "exposed_ms": r["exposed"], "comm_ms": r["comm"]})
+        rows.append({"variant": v, "step_ms": r["step"], "exposed_ms": r["exposed"], "comm_ms": r["comm"],
+                     "comm_cpu_ms": r["comm_cpu"]})
     base = {row["variant"]: row.get("comm_ms") for row in rows}
     meta = {"bench": "torch_ddp", "model": a.model, "params": params, "world": world, "batch": a.batch,
             "buckets": len(sizes), "bucket_elems": sizes, "topology": a.topology, "segment_bytes": a.segment_bytes, "steps": a.steps,
@@ -219,13 +230,15 @@ def rank_main(rank, world, init, a):
     else:
         print(f"{a.model}: {params / 1e6:.2f} M parameters in {len(sizes)} buckets, {world} ranks, batch {a.batch}, "
               f"lockstep topology {a.topology}, {a.steps} steps x {a.rounds} rounds{', ' + a.label if a.label else ''}")
-        print(f"{'variant':<18}{'step ms':>10}{'exposed ms':>12}{'comm ms':>10}{'comm/gloo':>11}{'comm/fp16':>11}")
+        print(f"{'variant':<18}{'step ms':>10}{'exposed ms':>12}{'comm ms':>10}{'comm/gloo':>11}{'comm/fp16':>11}"
+              f"{'comm cpu ms':>13}")
         for row in rows:
             if "failed" in row:
                 print(f"{row['variant']:<18}  failed: {row['failed']}")
                 continue
             print(f"{row['variant']:<18}{row['step_ms']:>10.1f}{row['exposed_ms']:>12.1f}{row['comm_ms']:>10.1f}"
-                  f"{row['comm_vs_gloo']:>11.3f}{row.get('comm_vs_fp16_hook', float('nan')):>11.3f}")
+                  f"{row['comm_vs_gloo']:>11.3f}{row.get('comm_vs_fp16_hook', float('nan')):>11.3f}"
+                  f"{row['comm_cpu_ms']:>13.1f}")
     sys.stdout.flush()
     return rows
 

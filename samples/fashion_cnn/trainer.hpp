@@ -103,15 +103,16 @@ struct run_result {
 };
 
 // ----------------------------------------------------------------------------------------------
-// Checkpoints: one binary file, written to "<file>.tmp" and renamed over the old one, so a crash
-// leaves either the previous checkpoint or the new one, never half of one.
-//
-//   "LSCKPT02" | u32 header words: epochs_done, global_step_lo, global_step_hi, params, running,
-//   momentum, channels[3], residuals | u64 seed, options fingerprint | f32 params | f32 running |
-//   f32 momentum | f32 residuals
+// Checkpoints: samples/common/checkpoint.hpp's file (written atomically, CRC-32 at its end), format
+// "LSCKPT03"; "LSCKPT02" (the same without the CRC) still loads. Model words: head[6..8] channels,
+// head[9] the residuals' size.
 // residuals: error-feedback state, empty without --error-feedback; otherwise, rank by rank, for each
 // gradient bucket in layout order, phase 0 (reduce-scatter sends) then phase 1 (all-gather encodes)
 // of that bucket's elements: ranks x 2 x params floats.
+
+inline const sample::checkpoint_format checkpoint_format{
+    "LSCKPT03", "LSCKPT02", "a lockstep checkpoint", 9, "LSCKPT01",
+    "checkpoint of an older lockstep-train-fashion (format 01); start a new run"};
 
 inline std::uint64_t options_fingerprint(const options& o) {
   // The flags that change what a step computes; resuming under other values is refused.
@@ -126,63 +127,25 @@ inline std::uint64_t options_fingerprint(const options& o) {
   return sample::fingerprint(s.str());
 }
 
-struct checkpoint {
-  int epochs_done = 0;
-  long long global_step = 0;
-  std::vector<float> params, running, momentum, residuals;
-};
+using checkpoint = sample::checkpoint;
 
 inline void save_checkpoint(const std::string& path, const options& o, const checkpoint& c) {
-  sample::write_atomically(path, [&](std::ofstream& f) {
-    f.write("LSCKPT02", 8);
-    const std::uint32_t head[10] = {static_cast<std::uint32_t>(c.epochs_done),
-                                   static_cast<std::uint32_t>(c.global_step & 0xFFFFFFFF),
-                                   static_cast<std::uint32_t>(c.global_step >> 32),
-                                   static_cast<std::uint32_t>(c.params.size()),
-                                   static_cast<std::uint32_t>(c.running.size()),
-                                   static_cast<std::uint32_t>(c.momentum.size()),
-                                   static_cast<std::uint32_t>(o.channels[0]),
-                                   static_cast<std::uint32_t>(o.channels[1]),
-                                   static_cast<std::uint32_t>(o.channels[2]),
-                                   static_cast<std::uint32_t>(c.residuals.size())};
-    const std::uint64_t ids[2] = {o.seed, options_fingerprint(o)};
-    sample::write_pod(f, std::span<const std::uint32_t>(head));
-    sample::write_pod(f, std::span<const std::uint64_t>(ids));
-    for (const auto* v : {&c.params, &c.running, &c.momentum, &c.residuals}) sample::write_pod(f, std::span<const float>(*v));
-  });
+  const sample::checkpoint_head model{0, 0, 0, 0, 0, 0, static_cast<std::uint32_t>(o.channels[0]),
+                                      static_cast<std::uint32_t>(o.channels[1]), static_cast<std::uint32_t>(o.channels[2]), 0};
+  sample::write_checkpoint(path, checkpoint_format, model, o.seed, options_fingerprint(o), c);
 }
 
-inline checkpoint load_checkpoint(const std::string& path, const options& o) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": no checkpoint to resume from");
-  char magic[8];
-  std::uint32_t head[10];
-  std::uint64_t ids[2];
-  f.read(magic, 8);
-  f.read(reinterpret_cast<char*>(head), sizeof head);
-  f.read(reinterpret_cast<char*>(ids), sizeof ids);
-  if (f && std::memcmp(magic, "LSCKPT01", 8) == 0)
-    throw std::runtime_error(path + ": checkpoint of an older lockstep-train-fashion (format 01); start a new run");
-  if (!f || std::memcmp(magic, "LSCKPT02", 8) != 0) throw std::runtime_error(path + ": not a lockstep checkpoint");
-  if (head[6] != static_cast<std::uint32_t>(o.channels[0]) || head[7] != static_cast<std::uint32_t>(o.channels[1]) ||
-      head[8] != static_cast<std::uint32_t>(o.channels[2]))
+// The checkpoint at `path`, checked against this run's flags; a file of the previous format is
+// said so on `log` (when not null).
+inline checkpoint load_checkpoint(const std::string& path, const options& o, std::FILE* log = nullptr) {
+  sample::checkpoint_file f = sample::read_checkpoint(path, checkpoint_format, log);
+  if (f.head[6] != static_cast<std::uint32_t>(o.channels[0]) || f.head[7] != static_cast<std::uint32_t>(o.channels[1]) ||
+      f.head[8] != static_cast<std::uint32_t>(o.channels[2]))
     throw std::runtime_error(path + ": written for other --channels");
-  if (ids[0] != o.seed || ids[1] != options_fingerprint(o))
+  if (f.seed != o.seed || f.fingerprint != options_fingerprint(o))
     throw std::runtime_error(path + ": written with other training flags (seed, batch, ranks, codec, optimizer, "
                                     "schedule, epochs ...); resume with the flags of the original run");
-  // The sizes the header claims, checked against what the file holds before anything is allocated
-  // for them (a corrupt header must not ask for gigabytes).
-  sample::check_remaining(f, (std::uint64_t{head[3]} + head[4] + head[5] + head[9]) * sizeof(float), path);
-  checkpoint c;
-  c.epochs_done = static_cast<int>(head[0]);
-  c.global_step = static_cast<long long>(head[1]) | (static_cast<long long>(head[2]) << 32);
-  c.params.resize(head[3]);
-  c.running.resize(head[4]);
-  c.momentum.resize(head[5]);
-  c.residuals.resize(head[9]);
-  for (auto* v : {&c.params, &c.running, &c.momentum, &c.residuals}) sample::read_pod(f, std::span<float>(*v));
-  if (!f) throw std::runtime_error(path + ": truncated checkpoint");
-  return c;
+  return std::move(f.data);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -259,7 +222,7 @@ void train_replica(Group& world, const options& o, const shared_data& data, Repl
   int first_epoch = 0;
   long long step = 0;
   if (o.resume) {
-    const checkpoint c = load_checkpoint(ckpt_path, o);
+    const checkpoint c = load_checkpoint(ckpt_path, o, leader ? stderr : nullptr);
     rep.restore(c, rank, R, ckpt_path);
     first_epoch = c.epochs_done;
     step = c.global_step;

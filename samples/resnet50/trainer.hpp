@@ -144,12 +144,13 @@ struct run_result {
 };
 
 // ----------------------------------------------------------------------------------------------
-// Checkpoints (samples/common/checkpoint.hpp's shape, written atomically):
-//   "LSRN5001" | u32 epochs_done, global_step_lo, global_step_hi, params, running, momentum,
-//   classes, size, residuals, precision (0 fp32, 1 bf16) | u64 seed, options fingerprint |
-//   f32 params | f32 running | f32 momentum | f32 residuals
+// Checkpoints: samples/common/checkpoint.hpp's file (written atomically, CRC-32 at its end), format
+// "LSRN5002"; "LSRN5001" (the same without the CRC) still loads. Model words: head[6] classes,
+// head[7] --size, head[9] precision (0 fp32, 1 bf16); head[8] the residuals' size.
 // The same file for every backend. residuals: error-feedback state of every replica (rank by rank,
 // per bucket in layout order), empty without --error-feedback.
+
+inline const sample::checkpoint_format checkpoint_format{"LSRN5002", "LSRN5001", "a lockstep ResNet-50 checkpoint", 8, nullptr, nullptr};
 
 inline std::uint64_t options_fingerprint(const options& o) {
   std::ostringstream s;
@@ -162,60 +163,26 @@ inline std::uint64_t options_fingerprint(const options& o) {
   return sample::fingerprint(s.str());
 }
 
-struct checkpoint {
-  int epochs_done = 0;
-  long long global_step = 0;
-  std::vector<float> params, running, momentum, residuals;
-};
+using checkpoint = sample::checkpoint;
 
 inline void save_checkpoint(const std::string& path, const options& o, int classes, const checkpoint& c) {
-  sample::write_atomically(path, [&](std::ofstream& f) {
-    f.write("LSRN5001", 8);
-    const std::uint32_t head[10] = {static_cast<std::uint32_t>(c.epochs_done),
-                                   static_cast<std::uint32_t>(c.global_step & 0xFFFFFFFF),
-                                   static_cast<std::uint32_t>(c.global_step >> 32),
-                                   static_cast<std::uint32_t>(c.params.size()),
-                                   static_cast<std::uint32_t>(c.running.size()),
-                                   static_cast<std::uint32_t>(c.momentum.size()),
-                                   static_cast<std::uint32_t>(classes),
-                                   static_cast<std::uint32_t>(o.size),
-                                   static_cast<std::uint32_t>(c.residuals.size()),
-                                   o.precision == "bf16" ? 1u : 0u};
-    const std::uint64_t ids[2] = {o.seed, options_fingerprint(o)};
-    sample::write_pod(f, std::span<const std::uint32_t>(head));
-    sample::write_pod(f, std::span<const std::uint64_t>(ids));
-    for (const auto* v : {&c.params, &c.running, &c.momentum, &c.residuals}) sample::write_pod(f, std::span<const float>(*v));
-  });
+  const sample::checkpoint_head model{0, 0, 0, 0, 0, 0, static_cast<std::uint32_t>(classes), static_cast<std::uint32_t>(o.size), 0,
+                                      o.precision == "bf16" ? 1u : 0u};
+  sample::write_checkpoint(path, checkpoint_format, model, o.seed, options_fingerprint(o), c);
 }
 
-inline checkpoint load_checkpoint(const std::string& path, const options& o, int classes) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": no checkpoint to resume from");
-  char magic[8];
-  std::uint32_t head[10];
-  std::uint64_t ids[2];
-  f.read(magic, 8);
-  sample::read_pod(f, std::span<std::uint32_t>(head));
-  sample::read_pod(f, std::span<std::uint64_t>(ids));
-  if (!f || std::memcmp(magic, "LSRN5001", 8) != 0) throw std::runtime_error(path + ": not a lockstep ResNet-50 checkpoint");
-  if (head[6] != static_cast<std::uint32_t>(classes) || head[7] != static_cast<std::uint32_t>(o.size))
-    throw std::runtime_error(path + ": written for " + std::to_string(head[6]) + " classes at --size " +
-                             std::to_string(head[7]) + ", this run has " + std::to_string(classes) + " at " +
+// The checkpoint at `path`, checked against this run's flags; a file of the previous format is
+// said so on `log` (when not null).
+inline checkpoint load_checkpoint(const std::string& path, const options& o, int classes, std::FILE* log = nullptr) {
+  sample::checkpoint_file f = sample::read_checkpoint(path, checkpoint_format, log);
+  if (f.head[6] != static_cast<std::uint32_t>(classes) || f.head[7] != static_cast<std::uint32_t>(o.size))
+    throw std::runtime_error(path + ": written for " + std::to_string(f.head[6]) + " classes at --size " +
+                             std::to_string(f.head[7]) + ", this run has " + std::to_string(classes) + " at " +
                              std::to_string(o.size));
-  if (ids[0] != o.seed || ids[1] != options_fingerprint(o))
+  if (f.seed != o.seed || f.fingerprint != options_fingerprint(o))
     throw std::runtime_error(path + ": written with other training flags (seed, batch, ranks, precision, codec, "
                                     "optimizer, schedule, epochs ...); resume with the flags of the original run");
-  sample::check_remaining(f, (std::uint64_t{head[3]} + head[4] + head[5] + head[8]) * sizeof(float), path);
-  checkpoint c;
-  c.epochs_done = static_cast<int>(head[0]);
-  c.global_step = static_cast<long long>(head[1]) | (static_cast<long long>(head[2]) << 32);
-  c.params.resize(head[3]);
-  c.running.resize(head[4]);
-  c.momentum.resize(head[5]);
-  c.residuals.resize(head[8]);
-  for (auto* v : {&c.params, &c.running, &c.momentum, &c.residuals}) sample::read_pod(f, std::span<float>(*v));
-  if (!f) throw std::runtime_error(path + ": truncated checkpoint");
-  return c;
+  return std::move(f.data);
 }
 
 inline void write_plot(const std::string& dir, bool run_gnuplot) {
@@ -289,7 +256,7 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
   int first_epoch = 0;
   long long step = 0;
   if (o.resume) {
-    const checkpoint c = load_checkpoint(ckpt_path, o, classes);
+    const checkpoint c = load_checkpoint(ckpt_path, o, classes, leader ? stderr : nullptr);
     rep.restore(c, rank, R, ckpt_path);
     first_epoch = c.epochs_done;
     step = c.global_step;

@@ -12,9 +12,14 @@ no augmentation; BatchNorm statistics are each rank's own (DDP broadcasts rank 0
 Run (4 ranks as local processes, or under torchrun, which sets RANK and WORLD_SIZE):
     PYTHONPATH=build/python samples/torch_ddp/train_ddp.py --world 4 --epochs 1
     PYTHONPATH=build/python samples/torch_ddp/train_ddp.py --world 4 --hook default     # the peer
-    PYTHONPATH=build/python torchrun --nproc_per_node 4 samples/torch_ddp/train_ddp.py
+    PYTHONPATH=build/python torchrun --standalone --nproc_per_node 4 samples/torch_ddp/train_ddp.py
+Debian's torchrun (torch 1.13 under Python 3.11) stops in its option parsing; lockstep_torch.run
+is torchrun with that fixed (docs/torch.md), the same options:
+    PYTHONPATH=build/python /usr/bin/python3 -m lockstep_torch.run --standalone --nproc_per_node 4 \
+        samples/torch_ddp/train_ddp.py
 Options: --codec fp32|bf16|int8|dyntree8 (dyntree8), --topology ring|torus2d (torus2d),
---no-error-feedback, --images N (all 60000), --batch B per rank (64), --lr, --seed, --json.
+--no-error-feedback, --data DIR (/usr/share/datasets/fashion-mnist), --images N (all 60000),
+--batch B per rank (64), --lr (0.01), --schedule constant|cosine (constant), --seed, --json.
 Prints per epoch: mean training loss and test accuracy (rank 0).
 
 Shapes (B = per-rank batch):
@@ -50,11 +55,11 @@ def read_idx(path):
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
-def load(split, limit):
+def load(folder, split, limit):
     """(x, y): x float32 (N, 1, 28, 28) normalised, y int64 (N,)."""
     prefix = "train" if split == "train" else "t10k"
-    x = read_idx(os.path.join(DATA, f"{prefix}-images-idx3-ubyte.gz"))
-    y = read_idx(os.path.join(DATA, f"{prefix}-labels-idx1-ubyte.gz"))
+    x = read_idx(os.path.join(folder, f"{prefix}-images-idx3-ubyte.gz"))
+    y = read_idx(os.path.join(folder, f"{prefix}-labels-idx1-ubyte.gz"))
     if limit:
         x, y = x[:limit], y[:limit]
     x = (x.astype(np.float32) / 255.0 - 0.2860) / 0.3530
@@ -87,8 +92,8 @@ def evaluate(model, x, y):
 
 def train(rank, world, a):
     torch.set_num_threads(a.threads)
-    x, y = load("train", a.images)
-    xt, yt = load("test", 0)
+    x, y = load(a.data, "train", a.images)
+    xt, yt = load(a.data, "test", 0)
     model = DDP(make_model(a.seed))
     if a.hook == "lockstep":
         import lockstep_torch                                                   # lockstep
@@ -100,6 +105,8 @@ def train(rank, world, a):
     # Every rank draws the same permutation and takes its own slice of each global batch.
     g = torch.Generator().manual_seed(a.seed)
     steps = len(x) // (a.batch * world)
+    # --schedule cosine: the rate falls from --lr to 0 over the whole run, step by step.
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.epochs * steps) if a.schedule == "cosine" else None
     history = []
     for epoch in range(a.epochs):
         perm = torch.randperm(len(x), generator=g)
@@ -110,6 +117,8 @@ def train(rank, world, a):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if sched:
+                sched.step()
             total += loss.item()
         acc = evaluate(model.module, xt, yt)
         row = {"epoch": epoch + 1, "loss": total / steps, "test_accuracy": acc, "seconds": time.perf_counter() - t0,
@@ -135,9 +144,11 @@ def main():
     ap.add_argument("--topology", default="torus2d")
     ap.add_argument("--no-error-feedback", action="store_true")
     ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--data", default=DATA, help="folder of the four Fashion-MNIST .gz files (IDX format)")
     ap.add_argument("--images", type=int, default=0, help="first N training images (0: all)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--schedule", choices=["constant", "cosine"], default="constant", help="learning rate over the run")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")

@@ -12,7 +12,14 @@
 //
 // t_ns is CLOCK_MONOTONIC (steady_clock), one clock for every process of the node.
 //
-//   fault_inject --fault kill|exit|stop|throw|mismatch [--victim R] [--at I] [--timeout-ms T]
+//   fault_inject --fault kill|exit|stop|throw|mismatch|throw_rows|throw_cols [--victim R] [--at I] [--timeout-ms T]
+//
+// throw_rows, throw_cols: the groups of a rank split from one (docs/reliability.md, "Every group of
+// a rank"). Each iteration all-reduces over the rows (ranks 2k, 2k+1), the columns (even ranks, odd
+// ranks) and the whole group, in that order; the victim's epilogue throws in its row or column
+// all-reduce. The others' errors come from whichever of their groups they wait in, the parent and
+// the sibling groups included; the peer printed is in the whole group's numbering (-1: the
+// failing rank is not in the group that threw, whose message then names it).
 #include <signal.h>
 #include <unistd.h>
 
@@ -93,6 +100,47 @@ int main(int argc, char** argv) {
   codec::fp32 c;
   const topology::ring topo;
   bool failed = false;
+  if (fault == "throw_rows" || fault == "throw_cols") {
+    mpi_group rows = g.split(me / 2, me), cols = g.split(me % 2, me);
+    const std::string fail_in = fault.substr(6);
+    struct part {
+      const char* name;
+      mpi_group* h;
+      std::vector<int> members;  // in g's numbering
+    };
+    std::vector<part> parts = {{"rows", &rows, {}}, {"cols", &cols, {}}, {"parent", &g, {}}};
+    for (int r = 0; r < n; ++r) {
+      if (r / 2 == me / 2) parts[0].members.push_back(r);
+      if (r % 2 == me % 2) parts[1].members.push_back(r);
+      parts[2].members.push_back(r);
+    }
+    for (int i = 0; i < iters && !failed; ++i) {
+      for (auto& p : parts) {
+        if (failed) break;
+        fill(v, p.h->rank(), i);
+        const bool mine = me == victim && i == at && fail_in == p.name;
+        try {
+          auto ep = [&](std::size_t, std::size_t) {
+            if (!mine) return;
+            say("fault %d %lld %d %s\n", me, now_ns(), static_cast<int>(getpid()), fault.c_str());
+            throw std::runtime_error("injected fault: the epilogue of iteration " + std::to_string(i) + " in the " + fail_in + " gave up");
+          };
+          all_reduce(*p.h, std::span<float>(v), topo, c, reduce_op::sum, ep);
+          if (!check(v, p.h->size(), i, me)) failed = true;
+        } catch (const error& e) {
+          std::string code(to_string(e.code()));
+          for (char& ch : code)
+            if (ch == ' ') ch = '_';
+          const int peer = e.peer() >= 0 && e.peer() < static_cast<int>(p.members.size()) ? p.members[static_cast<std::size_t>(e.peer())] : -1;
+          say("error %d %lld %s %d in the %s: %s\n", me, now_ns(), code.c_str(), peer, p.name, one_line(e.what()).c_str());
+          failed = true;
+        } catch (const std::exception& e) {
+          say("threw %d %s\n", me, one_line(e.what()).c_str());
+          failed = true;
+        }
+      }
+    }
+  }
   for (int i = 0; i < iters && !failed; ++i) {
     fill(v, me, i);
     const bool mine = me == victim && i == at;

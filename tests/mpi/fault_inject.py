@@ -3,7 +3,8 @@
 
   fault_inject.py MPIRUN EXE FAULT SHM [--np 4] [--timeout-ms 1500] [--json]
 
-FAULT is kill, exit, stop, throw or mismatch; SHM is 1 (node-local peers through shared memory) or 0
+FAULT is kill, exit, stop, throw, mismatch, throw_rows or throw_cols (the victim throws in one of its
+groups split from the whole: the others, waiting in any of theirs, must stop as fast); SHM is 1 (node-local peers through shared memory) or 0
 (LOCKSTEP_MPI_SHM=0: everything through MPI). Passes when every rank but the victim stops with the
 named error within the stated time, naming the victim, no result was wrong, the survivors' group
 without the victim works, and (stop) the victim, continued, finds the group aborted too. Prints one
@@ -112,7 +113,7 @@ def main():
             problems.append(f"rank {r}: the error does not name rank {victim}: {e['what']}")
         if fault == "stop" and "stopped" not in e["what"]:
             problems.append(f"rank {r}: a stalled peer's error does not say it is stopped: {e['what']}")
-        if fault == "throw" and "injected fault" not in e["what"]:
+        if fault.startswith("throw") and "injected fault" not in e["what"]:
             problems.append(f"rank {r}: the victim's message is not in the error: {e['what']}")
         if r not in regroups or not regroups[r].endswith("ok"):
             problems.append(f"rank {r}: the group without rank {victim} did not work ({regroups.get(r)})")

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string_view>
+#include <vector>
 
 #include "../core/config.hpp"
 #include "concept.hpp"
@@ -96,6 +97,32 @@ class blockwise {
       const float scale = absmax(in + lo, len);
       std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
       quantize_block(in + lo, len, scale, codes + lo);
+    }
+  }
+
+  // Error feedback's step (error_feedback.hpp) fused per block: out <- wire(in + residual), then
+  // residual <- (in + residual) - decode(out). The sum and its decoded image stay in L1, one block
+  // at a time, where the generic form makes four passes over the whole segment (sum, encode,
+  // decode, subtract: about 36 bytes of memory traffic per value against 13 here). The same bits:
+  // a block's scale and codes depend on its own values only, the decoded values are decode()'s
+  // (decode_block), and the sum and the difference are the same fp32 operations.
+  void encode_feedback(const float* LOCKSTEP_RESTRICT in, std::size_t n, std::byte* out,
+                       float* LOCKSTEP_RESTRICT residual) const {
+    const std::size_t nb = blocks(n);
+    std::uint8_t* LOCKSTEP_RESTRICT codes = reinterpret_cast<std::uint8_t*>(out) + nb * sizeof(float);
+    thread_local std::vector<float> sum;  // one block of in + residual
+    if (sum.size() < block_) sum.resize(block_);
+    float* LOCKSTEP_RESTRICT v = sum.data();
+    for (std::size_t b = 0; b < nb; ++b) {
+      const std::size_t lo = b * block_, len = std::min(block_, n - lo);
+      prefetch_ahead(in + lo, len);
+      prefetch_ahead(residual + lo, len);
+      for (std::size_t i = 0; i < len; ++i) v[i] = in[lo + i] + residual[lo + i];
+      const float scale = absmax(v, len);
+      std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
+      quantize_block(v, len, scale, codes + lo);
+      decode_block<false>(codes + lo, len, scale, residual + lo);
+      for (std::size_t i = 0; i < len; ++i) residual[lo + i] = v[i] - residual[lo + i];
     }
   }
 
@@ -210,44 +237,51 @@ class blockwise {
   void walk(const std::byte* in, std::size_t n, float* LOCKSTEP_RESTRICT out) const noexcept {
     const std::size_t nb = blocks(n);
     const std::uint8_t* LOCKSTEP_RESTRICT codes = reinterpret_cast<const std::uint8_t*>(in) + nb * sizeof(float);
-    const float* LOCKSTEP_RESTRICT t = table().data();
     for (std::size_t b = 0; b < nb; ++b) {
       float scale;
       std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
       const std::size_t lo = b * block_, hi = std::min(n, lo + block_);
       if constexpr (Add) prefetch_ahead(out + lo, hi - lo);  // the accumulator is read too
+      decode_block<Add>(codes + lo, hi - lo, scale, out + lo);
+    }
+  }
+
+  // One block's values: out[i] = value(codes[i]) * scale, or out[i] += that when Add.
+  template <bool Add>
+  static void decode_block(const std::uint8_t* LOCKSTEP_RESTRICT codes, std::size_t n, float scale,
+                           float* LOCKSTEP_RESTRICT out) noexcept {
 #if LOCKSTEP_HOST_AVX512
-      // A format with values64() (the unit values of 64 codes, table()'s bits) takes 64 per turn,
-      // the tail through a padded copy and masked stores; then value * scale (+ acc), as below.
-      if constexpr (requires(const std::uint8_t* c, __m512* v) { Format::values64(c, v); }) {
-        const __m512 vs = _mm512_set1_ps(scale);
-        for (std::size_t i = lo; i < hi; i += 64) {
-          const std::size_t len = std::min<std::size_t>(64, hi - i);
-          alignas(64) std::uint8_t pad[64] = {};
-          const std::uint8_t* c = codes + i;
-          if (len < 64) c = static_cast<const std::uint8_t*>(std::memcpy(pad, codes + i, len));
-          __m512 v[4];
-          Format::values64(c, v);
-          for (std::size_t j = 0; j < 4 && 16 * j < len; ++j) {
-            float* o = out + i + 16 * j;
-            __m512 r = _mm512_mul_ps(v[j], vs);
-            if (len - 16 * j >= 16) {
-              if constexpr (Add) r = _mm512_add_ps(_mm512_loadu_ps(o), r);
-              _mm512_storeu_ps(o, r);
-            } else {
-              const __mmask16 m = __mmask16((1u << (len - 16 * j)) - 1);
-              if constexpr (Add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), r);
-              _mm512_mask_storeu_ps(o, m, r);
-            }
+    // A format with values64() (the unit values of 64 codes, table()'s bits) takes 64 per turn,
+    // the tail through a padded copy and masked stores; then value * scale (+ acc), as below.
+    if constexpr (requires(const std::uint8_t* c, __m512* v) { Format::values64(c, v); }) {
+      const __m512 vs = _mm512_set1_ps(scale);
+      for (std::size_t i = 0; i < n; i += 64) {
+        const std::size_t len = std::min<std::size_t>(64, n - i);
+        alignas(64) std::uint8_t pad[64] = {};
+        const std::uint8_t* c = codes + i;
+        if (len < 64) c = static_cast<const std::uint8_t*>(std::memcpy(pad, codes + i, len));
+        __m512 v[4];
+        Format::values64(c, v);
+        for (std::size_t j = 0; j < 4 && 16 * j < len; ++j) {
+          float* o = out + i + 16 * j;
+          __m512 r = _mm512_mul_ps(v[j], vs);
+          if (len - 16 * j >= 16) {
+            if constexpr (Add) r = _mm512_add_ps(_mm512_loadu_ps(o), r);
+            _mm512_storeu_ps(o, r);
+          } else {
+            const __mmask16 m = __mmask16((1u << (len - 16 * j)) - 1);
+            if constexpr (Add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), r);
+            _mm512_mask_storeu_ps(o, m, r);
           }
         }
-        continue;
       }
+      return;
+    }
 #endif
-      for (std::size_t i = lo; i < hi; ++i) {
-        if constexpr (Add) out[i] += t[codes[i]] * scale;
-        else out[i] = t[codes[i]] * scale;
-      }
+    const float* LOCKSTEP_RESTRICT t = table().data();
+    for (std::size_t i = 0; i < n; ++i) {
+      if constexpr (Add) out[i] += t[codes[i]] * scale;
+      else out[i] = t[codes[i]] * scale;
     }
   }
 

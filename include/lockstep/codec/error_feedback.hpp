@@ -139,14 +139,24 @@ class error_feedback {
   std::size_t buffers() const noexcept { return residuals_.size(); }
   std::size_t max_buffers() const noexcept { return max_buffers_; }
 
+  // v = in + residual; out <- wire(v); residual <- v - decode(out). An inner codec that fuses the
+  // step (blockwise's encode_feedback, block by block in cache) does it, with the same bits;
+  // any other takes the passes below.
   void encode_with_residual(const float* in, std::size_t n, std::byte* out, float* residual) {
+    if constexpr (requires { inner_.encode_feedback(in, n, out, residual); }) inner_.encode_feedback(in, n, out, residual);
+    else encode_in_passes(inner_, in, n, out, residual);
+  }
+
+  // The step as four passes over the n values, for any codec (public: tests compare a fused
+  // codec's bits with it).
+  static void encode_in_passes(const C& inner, const float* in, std::size_t n, std::byte* out, float* residual) {
     thread_local std::vector<float> v;
     if (v.size() < n) v.resize(n);
     for (std::size_t i = 0; i < n; ++i) v[i] = in[i] + residual[i];
-    inner_.encode(v.data(), n, out);
+    inner.encode(v.data(), n, out);
     // residual <- v - decode(wire): decoded into the residual's storage, then one subtracting pass
     // (the CUDA kernels compute the same v - decoded per element, so the bits agree).
-    inner_.decode(out, n, residual);
+    inner.decode(out, n, residual);
     for (std::size_t i = 0; i < n; ++i) residual[i] = v[i] - residual[i];
   }
 

@@ -25,7 +25,13 @@
 // sides, never a truncation or a hang, and a failing call leaves this rank's buffer and its
 // error-feedback residuals untouched. Only the first step's fp32 sends go out beside the headers
 // (they change nothing here, and the peer reads them only after checking our header), which saves
-// the round the headers would otherwise take on their own (docs/design.md says what was tried).
+// the round the headers would otherwise take on their own (docs/design.md says what was tried) --
+// except over a transport whose sends wait for the peer's receive (T::sends_wait_for_receives:
+// c10d over Gloo, whose receive sends the sender a notice over the same connection as our own data
+// to that peer). There an early send saves nothing, and when the peer is also the one we receive
+// from (a torus's rows and columns) our receives' notices queue behind our own data: one
+// direction would wait for the other to finish. Its first step posts receives first, as every
+// other step does.
 #pragma once
 
 #include <algorithm>
@@ -159,6 +165,8 @@ class schedule_run {
   static constexpr bool identity = C::identity;
   // On a stream nothing can be read on the host before the stream has run: no headers (see above).
   static constexpr bool exchanges_headers = !space_type::ordered;
+  // fp32's first-step sends wait for the headers and the receives too (see above).
+  static constexpr bool receives_first = requires { requires T::sends_wait_for_receives; };
 
   // A piece of a chunk that travels as one message.
   struct segment {
@@ -331,6 +339,7 @@ class schedule_run {
   // send. Other phases forward the wire bytes as they are. fp32 sends the values themselves.
   void send_segment(const topology::step& st, const segment& sg) {
     const void* src = x_ + sg.lo;
+    if constexpr (identity && receives_first) post_receives(st);
     if constexpr (!identity) {
       post_receives(st);
       if (st.phase == topology::phase::reduce_scatter) encode(sg, 0);

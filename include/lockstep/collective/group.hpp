@@ -94,7 +94,9 @@ class group {
 
   // Tells every rank of the group that this one failed (a failure outside a collective: a
   // program's own error, caught at its top): their waits throw errc::aborted naming this rank and
-  // `reason`, and so do this rank's later calls. A collective that fails does this itself.
+  // `reason`, and so do this rank's later calls. A collective that fails does this itself. The
+  // groups split from the same first group as this one fail with it (docs/reliability.md, "Every
+  // group of a rank").
   void abort(const std::string& reason) { s_->t.abort(reason); }
 
   transport::clock::time_point deadline() const { return transport::clock::now() + s_->opt.timeout; }

@@ -12,7 +12,9 @@
 //                                          they are valid only during fn, which may throw; false when
 //                                          the deadline passed first (fn not called)
 //   t.abort(reason)                        tell every other rank of the group this one failed (best
-//                                          effort); their waits throw errc::aborted naming it
+//                                          effort); their waits throw errc::aborted naming it. Where
+//                                          the transport splits, every group split from the same
+//                                          first group fails with it (docs/reliability.md)
 //   t.name(), T::segment_bytes             printable name; segment size that pipelines well
 // and optionally
 //   t.split(color, key, deadline)          a new endpoint for the sub-group of equal colour, ranked

@@ -5,6 +5,12 @@
 // the sender's own memory, so fp32 reduce-scatter adds straight from the neighbour's buffer and
 // nothing is copied at all. Every wait has a deadline, and a rank that fails aborts the world so
 // the others stop waiting at once instead of at their timeout.
+//
+// The worlds split from one world (and from those, and so on) are a family: a failure in any of
+// them aborts every one, as a failing process takes all its communicators down (torch's watchdog;
+// docs/reliability.md, "Every group of a rank"). A waiter in a world where the failure did not
+// happen throws errc::aborted naming the failing rank in its own numbering (error::peer(), -1 when
+// that rank is not in this world) and in the first world's.
 #pragma once
 
 #include <algorithm>
@@ -43,15 +49,55 @@ struct inproc_message {
   }
 };
 
-class inproc_world : public mailbox_world<inproc_message> {
- public:
-  explicit inproc_world(int n) : mailbox_world(n), split_seq_(static_cast<std::size_t>(n), 0) {}
+class inproc_world;
 
-  // Wakes the mailboxes' waiters and those of split as well.
+// The worlds split from one first world, directly or not, and the first failure among them.
+struct inproc_family {
+  std::mutex m;
+  bool failed = false;
+  int origin = -1;     // the failing rank, in the first world's numbering
+  std::string reason;  // its reason
+  std::vector<std::weak_ptr<inproc_world>> worlds;  // every world split off, the first one once it splits
+};
+
+class inproc_world : public mailbox_world<inproc_message>, public std::enable_shared_from_this<inproc_world> {
+ public:
+  explicit inproc_world(int n) : inproc_world(n, std::make_shared<inproc_family>(), {}) {}
+  // A world of the family `family`; first[i]: the rank in the first world of this world's rank i.
+  inproc_world(int n, std::shared_ptr<inproc_family> family, std::vector<int> first)
+      : mailbox_world(n), split_seq_(static_cast<std::size_t>(n), 0), family_(std::move(family)), first_(std::move(first)) {
+    if (first_.empty())
+      for (int i = 0; i < n; ++i) first_.push_back(i);
+  }
+
+  // Rank `rank` failed: this world's waiters, then every other world of the family, throw
+  // errc::aborted (split's waiters too).
   void abort(int rank, const std::string& reason) {
-    mailbox_world::abort(rank, reason);
-    std::lock_guard lk(split_m_);
-    split_cv_.notify_all();
+    const int origin = first_[static_cast<std::size_t>(rank)];
+    const bool first_failure = [&] {
+      std::lock_guard lk(family_->m);
+      if (family_->failed) return false;
+      family_->failed = true;
+      family_->origin = origin;
+      family_->reason = reason;
+      return true;
+    }();
+    abort_as(rank, name(rank, origin) + " failed: " + reason);
+    wake_split();
+    if (!first_failure) return;
+    std::vector<std::shared_ptr<inproc_world>> others;
+    {
+      std::lock_guard lk(family_->m);
+      for (auto& w : family_->worlds)
+        if (auto p = w.lock(); p && p.get() != this) others.push_back(std::move(p));
+    }
+    for (auto& w : others) w->abort_relayed(origin, reason);
+  }
+
+  // The rank in this world of rank `first` of the family's first world; -1: not a member.
+  int rank_of_first(int first) const {
+    const auto it = std::find(first_.begin(), first_.end(), first);
+    return it == first_.end() ? -1 : static_cast<int>(it - first_.begin());
   }
 
   // MPI_Comm_split over threads: the k-th split call of every rank joins round k.
@@ -66,11 +112,28 @@ class inproc_world : public mailbox_world<inproc_message> {
       std::map<int, std::vector<std::pair<int, int>>> members;  // color -> (key, rank)
       for (int i = 0; i < size(); ++i) members[r.entries[static_cast<std::size_t>(i)].color].push_back({r.entries[static_cast<std::size_t>(i)].key, i});
       r.result.resize(static_cast<std::size_t>(size()));
+      std::vector<std::shared_ptr<inproc_world>> made;
       for (auto& [c, list] : members) {
         std::sort(list.begin(), list.end());
-        auto w = std::make_shared<inproc_world>(static_cast<int>(list.size()));
+        std::vector<int> first;
+        for (auto& [k, old_rank] : list) first.push_back(first_[static_cast<std::size_t>(old_rank)]);
+        auto w = std::make_shared<inproc_world>(static_cast<int>(list.size()), family_, std::move(first));
         for (std::size_t p = 0; p < list.size(); ++p) r.result[static_cast<std::size_t>(list[p].second)] = {w, static_cast<int>(p)};
+        made.push_back(std::move(w));
       }
+      int late_origin = -1;  // the family failed before these worlds joined it: they fail too
+      std::string late_reason;
+      {
+        std::lock_guard fk(family_->m);
+        auto& ws = family_->worlds;
+        std::erase_if(ws, [](const std::weak_ptr<inproc_world>& w) { return w.expired(); });
+        if (std::none_of(ws.begin(), ws.end(), [&](const auto& w) { return w.lock().get() == this; }))
+          ws.push_back(weak_from_this());
+        for (auto& w : made) ws.push_back(w);
+        if (family_->failed) late_origin = family_->origin, late_reason = family_->reason;
+      }
+      if (late_origin >= 0)  // (no other thread can hold these worlds yet)
+        for (auto& w : made) w->abort_relayed(late_origin, late_reason);
       split_cv_.notify_all();
     }
     if (!split_cv_.wait_until(lk, deadline, [&] { return r.arrived == size() || aborted(); })) {
@@ -88,6 +151,23 @@ class inproc_world : public mailbox_world<inproc_message> {
   }
 
  private:
+  // Rank `origin` of the first world failed in another world of the family.
+  void abort_relayed(int origin, const std::string& reason) {
+    const int here = rank_of_first(origin);
+    abort_as(here, name(here, origin) + " failed in another of its groups: " + reason);
+    wake_split();
+  }
+  // How errors name rank `here` of this world, rank `first` of the family's first world.
+  static std::string name(int here, int first) {
+    if (here < 0) return "rank " + std::to_string(first) + " of the parent group";
+    if (here == first) return "rank " + std::to_string(here);
+    return "rank " + std::to_string(here) + " (rank " + std::to_string(first) + " of the parent group)";
+  }
+  void wake_split() {
+    std::lock_guard lk(split_m_);
+    split_cv_.notify_all();
+  }
+
   struct split_entry {
     int color, key;
     bool present;
@@ -102,6 +182,8 @@ class inproc_world : public mailbox_world<inproc_message> {
   std::condition_variable split_cv_;
   std::vector<std::uint64_t> split_seq_;
   std::map<std::uint64_t, split_round> rounds_;
+  std::shared_ptr<inproc_family> family_;
+  std::vector<int> first_;  // first_[i]: the rank in the family's first world of this world's rank i
 };
 
 }  // namespace detail

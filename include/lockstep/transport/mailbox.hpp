@@ -51,24 +51,29 @@ class mailbox_world {
     return nullptr;
   }
 
-  void abort(int rank, const std::string& reason) {
+  // Rank `rank` of this world failed; true when this call was the first failure.
+  bool abort(int rank, const std::string& reason) { return abort_as(rank, "rank " + std::to_string(rank) + " failed: " + reason); }
+  // Fails the world with the error its waiters throw: errc::aborted, peer `peer` (-1: no rank of
+  // this world), `detail`. For a failure this world hears of from another (inproc.hpp: the groups
+  // split from one parent fail together).
+  bool abort_as(int peer, std::string detail) {
     {
       std::lock_guard lk(abort_m_);
-      if (aborted_.load()) return;
-      abort_rank_ = rank;
-      abort_reason_ = reason;
+      if (aborted_.load()) return false;
+      abort_rank_ = peer;
+      abort_detail_ = std::move(detail);
       aborted_.store(true);
     }
     for (auto& b : boxes_) {
       std::lock_guard lk(b->m);
       b->cv.notify_all();
     }
+    return true;
   }
   bool aborted() const noexcept { return aborted_.load(std::memory_order_relaxed); }
   [[noreturn]] void throw_aborted(const char* op, int rank) {
     std::lock_guard lk(abort_m_);
-    throw error(errc::aborted, op, rank, abort_rank_,
-                "rank " + std::to_string(abort_rank_) + " failed: " + abort_reason_);
+    throw error(errc::aborted, op, rank, abort_rank_, abort_detail_);
   }
 
  private:
@@ -76,7 +81,7 @@ class mailbox_world {
   std::mutex abort_m_;
   std::atomic<bool> aborted_{false};
   int abort_rank_ = -1;
-  std::string abort_reason_;
+  std::string abort_detail_;
 };
 
 // A posted send or receive of an in-process transport; move-only. A send that is destroyed before

@@ -28,7 +28,9 @@
 // also watches that peer's process (peer_watch.hpp; shared memory on or off): one that was killed
 // or exited is reported within milliseconds, naming it, and the group is told in its name. Across
 // nodes a dead process is found by the group's timeout. A timeout names what this node can see of
-// the peer (stopped, running, gone). without_failed() builds a group of the survivors.
+// the peer (stopped, running, gone). The groups split from one endpoint fail together: a failure
+// in any of them reaches the waits of all of them (mpi_p2p.hpp). without_failed() builds a group
+// of the survivors.
 // docs/reliability.md has the promises and the measured times.
 #pragma once
 

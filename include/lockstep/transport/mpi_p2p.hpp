@@ -31,6 +31,15 @@
 // was freed away from a new group that Open MPI gave the same context id. MPI_Abort is never
 // used: it would take the whole job down, the survivors included.
 //
+// The groups split from one endpoint (and from those) are a family, and a failure in any of them
+// fails all of them, as a failing process takes all its communicators down (torch's watchdog;
+// docs/reliability.md, "Every group of a rank"): the abort message goes to every rank of the
+// family's first group on the first group's abort communicator, which every wait of every group
+// of the family probes, and the groups of this process are marked failed at once. A wait in a
+// group where the failure did not happen throws errc::aborted naming the failing rank in its own
+// numbering (error::peer(); -1 when that rank is not in the group) and in the first group's.
+// without_failed() starts a family of its own.
+//
 // Limits: one message carries at most INT_MAX bytes (MPI's count is an int; the executor's
 // segments are far smaller). After a timeout a send this rank gave up on may still be matched by
 // a late peer, and MPI is then free to read its buffer: the group should not be used again, and
@@ -68,6 +77,7 @@
 
 #include "../core/error.hpp"
 #include "concept.hpp"
+#include "poll.hpp"
 
 namespace lockstep::transport {
 
@@ -98,20 +108,59 @@ struct mpi_recv_slot {
   MPI_Request req = MPI_REQUEST_NULL;
 };
 
+struct mpi_comm_state;
+
+// The groups of this process split from one first group, directly or not (mpi_p2p.hpp's header).
+struct mpi_family {
+  MPI_Comm comm = MPI_COMM_NULL;  // the first group's abort communicator: every abort message of the family
+  std::uint64_t id = 0;           // the first group's id
+  int rank = 0, size = 0;         // this process in the first group
+  std::mutex m;
+  std::atomic<bool> failed{false};
+  int origin = -1;      // the failing rank, in the first group's numbering (this process: rank)
+  std::uint64_t where = 0;  // the id of the group it failed in
+  std::string reason;
+  std::vector<std::weak_ptr<mpi_comm_state>> groups;
+  // The next time a wait probes comm (steady_clock ticks): at most once a millisecond.
+  std::atomic<clock::rep> next_probe{0};
+
+  mpi_family() = default;
+  mpi_family(const mpi_family&) = delete;
+  mpi_family& operator=(const mpi_family&) = delete;
+  // A failed family's communicator is kept, as a failed group's is (below): late messages.
+  ~mpi_family() {
+    if (comm != MPI_COMM_NULL && !failed.load() && !mpi_finalized()) MPI_Comm_free(&comm);
+  }
+};
+
 // The communicator of one group and what all copies of its endpoint share.
 struct mpi_comm_state {
   MPI_Comm comm = MPI_COMM_NULL;
-  MPI_Comm abort_comm = MPI_COMM_NULL;  // carries abort messages only (one tag)
+  MPI_Comm abort_comm = MPI_COMM_NULL;  // the first group's: the family's; a split's: the survivors' handshake
+  bool owns_abort_comm = true;          // false for a family's first group (the family owns it)
   std::uint64_t id = 0;                 // the group's, drawn by rank 0 at set-up
   int rank = 0, size = 0;
   long tag_ub = 32767;  // the smallest MPI_TAG_UB the standard allows
+  std::shared_ptr<mpi_family> family;
+  std::vector<int> first;  // first[i]: rank i of this group in the family's first group
 
   std::mutex m;
   std::atomic<bool> aborted{false};
   std::string abort_reason;
-  int failed_rank = -1;  // the rank whose abort message this endpoint received; -1: none (or own)
-  // The next time a wait probes abort_comm (steady_clock ticks): at most once a millisecond.
-  std::atomic<clock::rep> next_abort_probe{0};
+  bool told = false;     // failed by another rank's failure (else by this rank's own)
+  int failed_rank = -1;  // that rank in this group; -1: own failure, or a rank not in this group
+
+  // The rank in this group of rank `f` of the family's first group; -1: not a member.
+  int rank_of_first(int f) const {
+    const auto it = std::find(first.begin(), first.end(), f);
+    return it == first.end() ? -1 : static_cast<int>(it - first.begin());
+  }
+  // How errors name rank `here` of this group, rank `f` of the family's first group.
+  static std::string name(int here, int f) {
+    if (here < 0) return "rank " + std::to_string(f) + " of the parent group";
+    if (here == f) return "rank " + std::to_string(here);
+    return "rank " + std::to_string(here) + " (rank " + std::to_string(f) + " of the parent group)";
+  }
   // A split that timed out leaves its MPI_Iallgather running (MPI cannot cancel a collective);
   // its request and buffers stay here so that MPI never writes into freed memory.
   std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<int>>>> abandoned;
@@ -149,25 +198,77 @@ struct mpi_comm_state {
       // The abort communicator likewise: the abort messages this rank sent may still be on it.
       if (abandoned.empty() && !aborted.load()) {
         MPI_Comm_free(&comm);
-        if (abort_comm != MPI_COMM_NULL) MPI_Comm_free(&abort_comm);
+        if (abort_comm != MPI_COMM_NULL && owns_abort_comm) MPI_Comm_free(&abort_comm);
       }
     }
   }
 };
 
-// An abort message: {group id, rank, reason bytes}.
+// An abort message, on the family's communicator: {family id, group id, rank in the first group,
+// reason bytes}.
 struct mpi_abort_message {
   static constexpr int tag = 1;
-  static constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(std::int32_t);
-  static std::vector<char> make(std::uint64_t id, int rank, const std::string& reason) {
+  static constexpr std::size_t head = 2 * sizeof(std::uint64_t) + sizeof(std::int32_t);
+  static std::vector<char> make(std::uint64_t family, std::uint64_t group, int first_rank, const std::string& reason) {
     std::vector<char> b(head + std::min<std::size_t>(reason.size(), 4000));
-    const auto r = static_cast<std::int32_t>(rank);
-    std::memcpy(b.data(), &id, sizeof id);
-    std::memcpy(b.data() + sizeof id, &r, sizeof r);
+    const auto r = static_cast<std::int32_t>(first_rank);
+    std::memcpy(b.data(), &family, sizeof family);
+    std::memcpy(b.data() + sizeof family, &group, sizeof group);
+    std::memcpy(b.data() + 2 * sizeof family, &r, sizeof r);
     std::memcpy(b.data() + head, reason.data(), b.size() - head);
     return b;
   }
 };
+
+// Makes `s` the first group of a family of its own (an endpoint made from a communicator, a group
+// of survivors): the family owns its abort communicator.
+inline void start_family(const std::shared_ptr<mpi_comm_state>& s) {
+  auto f = std::make_shared<mpi_family>();
+  f->comm = s->abort_comm;
+  f->id = s->id;
+  f->rank = s->rank;
+  f->size = s->size;
+  f->groups.push_back(s);
+  s->owns_abort_comm = false;
+  s->family = std::move(f);
+  s->first.resize(static_cast<std::size_t>(s->size));
+  for (int i = 0; i < s->size; ++i) s->first[static_cast<std::size_t>(i)] = i;
+}
+
+// The error text of a failure of the family, for group `g`, where it did not happen: rank `origin`
+// of the first group (this process's own, or another's) failed in another group.
+inline void mark_failed_from_family(mpi_comm_state& g, int origin, bool own, const std::string& reason) {
+  const int here = g.rank_of_first(origin);
+  std::lock_guard lk(g.m);
+  if (g.aborted.load()) return;
+  if (own) {
+    g.told = false;
+    g.abort_reason = "this rank failed in another of its groups: " + reason;
+  } else {
+    g.told = true;
+    g.failed_rank = here;
+    g.abort_reason = g.name(here, origin) + " failed in another of its groups: " + reason;
+  }
+  g.aborted.store(true);
+}
+
+// Records the family's first failure (rank `origin` of the first group, in the group with id
+// `where`) and marks every other group of this process failed; false when it had failed already.
+inline bool fail_family(mpi_family& f, int origin, std::uint64_t where, const std::string& reason) {
+  std::vector<std::shared_ptr<mpi_comm_state>> groups;
+  {
+    std::lock_guard lk(f.m);
+    if (f.failed.load()) return false;
+    f.origin = origin;
+    f.where = where;
+    f.reason = reason;
+    f.failed.store(true);
+    for (auto& w : f.groups)
+      if (auto p = w.lock(); p && p->id != where) groups.push_back(std::move(p));
+  }
+  for (auto& g : groups) mark_failed_from_family(*g, origin, origin == f.rank, reason);
+  return true;
+}
 
 // Abort messages and their requests outlive the endpoint that sent them: MPI reads the bytes
 // until each send completes, which a dead or slow peer may put off indefinitely. Aborts are rare
@@ -306,6 +407,7 @@ class mpi_p2p {
     const int rc = MPI_Comm_dup(parent, &dup);
     if (rc != MPI_SUCCESS) throw error(errc::transport, "mpi", -1, -1, "MPI_Comm_dup: " + detail::mpi_error_text(rc));
     s_ = std::make_shared<detail::mpi_comm_state>(dup);
+    detail::start_family(s_);
   }
 
   int rank() const noexcept { return s_ ? s_->rank : 0; }
@@ -365,21 +467,18 @@ class mpi_p2p {
     const char* op = r.slot_ ? "recv" : "send";
     throw_if_aborted(op, r.peer_);
     auto sleep = first_sleep;
-    for (int polls = 0;; ++polls) {
-      if (test(r, op)) return true;
-      // After a look that found nothing: what a wait on its behalf checks (another rank's abort,
-      // and whatever the caller's idle does) sees the state that look saw, or a later one.
-      poll_abort(op, r.peer_);
-      idle();
-      if (clock::now() >= deadline) return false;
-      if (polls < spin_polls) continue;
-      if (polls < spin_polls + yield_polls) {
-        std::this_thread::yield();
-        continue;
-      }
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, max_sleep);
-    }
+    return detail::poll_until(
+        deadline, {spin_polls, yield_polls}, [&] { return test(r, op); },
+        [&] {
+          // After a look that found nothing: what a wait on its behalf checks (another rank's
+          // abort, and whatever the caller's idle does) sees the state that look saw, or a later one.
+          poll_abort(op, r.peer_);
+          idle();
+        },
+        [&](clock::time_point) {
+          std::this_thread::sleep_for(sleep);
+          sleep = std::min(sleep * 2, max_sleep);
+        });
   }
   bool wait(request& r, clock::time_point deadline) { return wait(r, deadline, [] {}); }
 
@@ -421,6 +520,7 @@ class mpi_p2p {
     if (rc != MPI_SUCCESS) throw error(errc::transport, "split", rank(), -1, "MPI_Comm_split: " + detail::mpi_error_text(rc));
     mpi_p2p t;
     t.s_ = std::make_shared<detail::mpi_comm_state>(out);
+    join_family(*t.s_, t.s_);
     return t;
   }
   mpi_p2p split(int color, int key, clock::time_point deadline) { return split(color, key, deadline, [] {}); }
@@ -479,6 +579,7 @@ class mpi_p2p {
     if (rc != MPI_SUCCESS) throw error(errc::transport, "regroup", me, -1, "MPI_Comm_create_group: " + detail::mpi_error_text(rc));
     mpi_p2p t;
     t.s_ = std::make_shared<detail::mpi_comm_state>(out);
+    detail::start_family(t.s_);
     return t;
   }
 
@@ -486,6 +587,8 @@ class mpi_p2p {
   // the group; true when this call did (not an earlier one, nor another rank's abort message).
   // `origin`: the rank that failed, where this one only saw it happen (a node-local peer's
   // process gone); -1: this rank.
+  // Every rank of every group of the family is told (the message goes to the first group's ranks),
+  // and this process's other groups of the family are marked failed.
   bool abort(const std::string& reason, int origin = -1) {
     if (!s_) return false;
     {
@@ -494,15 +597,19 @@ class mpi_p2p {
       s_->abort_reason = reason;
       s_->aborted.store(true);
     }
+    detail::mpi_family& fam = *s_->family;
+    const int first = s_->first[static_cast<std::size_t>(origin < 0 ? s_->rank : origin)];
+    // Another group of the family failed first: its ranks were told then.
+    if (!detail::fail_family(fam, first, s_->id, reason)) return true;
     if (detail::mpi_finalized()) return true;
-    auto bytes = std::make_shared<std::vector<char>>(detail::mpi_abort_message::make(s_->id, origin < 0 ? s_->rank : origin, reason));
+    auto bytes = std::make_shared<std::vector<char>>(detail::mpi_abort_message::make(fam.id, s_->id, first, reason));
     std::vector<MPI_Request> reqs;
-    for (int p = 0; p < s_->size; ++p) {
-      if (p == s_->rank) continue;
+    for (int p = 0; p < fam.size; ++p) {
+      if (p == fam.rank) continue;
       MPI_Request q = MPI_REQUEST_NULL;
       // Best effort: a peer that is gone may make MPI refuse; the others are still told.
       if (MPI_Isend(bytes->data(), static_cast<int>(bytes->size()), MPI_BYTE, p, detail::mpi_abort_message::tag,
-                    s_->abort_comm, &q) == MPI_SUCCESS)
+                    fam.comm, &q) == MPI_SUCCESS)
         reqs.push_back(q);
     }
     // A moment for the messages to leave (they are small: eager), in case this process exits next.
@@ -517,13 +624,19 @@ class mpi_p2p {
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_relaxed); }
   // Marks this endpoint failed because rank `origin` did, without telling anyone: the caller heard
   // it from a channel every rank hears (a shared-memory flag), so a relay would only add noise.
+  // This process's other groups of the family are marked failed too (the rank that failed tells
+  // the other processes).
   void mark_failed(int origin, const std::string& detail_text) {
     if (!s_) return;
-    std::lock_guard lk(s_->m);
-    if (s_->aborted.load()) return;
-    s_->failed_rank = origin;
-    s_->abort_reason = detail_text;
-    s_->aborted.store(true);
+    {
+      std::lock_guard lk(s_->m);
+      if (s_->aborted.load()) return;
+      s_->told = true;
+      s_->failed_rank = origin;
+      s_->abort_reason = detail_text;
+      s_->aborted.store(true);
+    }
+    if (origin >= 0 && origin < s_->size) detail::fail_family(*s_->family, s_->first[static_cast<std::size_t>(origin)], s_->id, detail_text);
   }
   // The rank whose abort message failed this endpoint; -1 when none did.
   int failed_rank() const {
@@ -535,44 +648,61 @@ class mpi_p2p {
   void throw_if_aborted(const char* op, int peer) const {
     if (!s_ || !s_->aborted.load(std::memory_order_relaxed)) return;
     std::lock_guard lk(s_->m);
-    if (s_->failed_rank >= 0) throw error(errc::aborted, op, s_->rank, s_->failed_rank, s_->abort_reason);
+    if (s_->told) throw error(errc::aborted, op, s_->rank, s_->failed_rank, s_->abort_reason);
     throw error(errc::aborted, op, s_->rank, peer, "this endpoint failed earlier: " + s_->abort_reason);
   }
 
   // Looks for another rank's abort message (at most once a millisecond unless `now`); when one of
-  // this group has come, marks this endpoint failed and throws errc::aborted naming that rank
-  // (error::peer()) and its reason. Matched probes: threads of this rank may look at once.
+  // this family has come, marks this endpoint and the family's other groups failed and throws
+  // errc::aborted naming that rank (error::peer()) and its reason. Throws as well when another
+  // group of the family failed this one meanwhile. Matched probes: threads of this rank may look
+  // at once.
   void poll_abort(const char* op, int peer, bool now = false) {
-    if (!s_ || s_->abort_comm == MPI_COMM_NULL) return;
+    if (!s_ || !s_->family) return;
+    throw_if_aborted(op, peer);
+    detail::mpi_family& fam = *s_->family;
+    if (fam.comm == MPI_COMM_NULL) return;
     const auto t = clock::now().time_since_epoch().count();
-    if (!now && t < s_->next_abort_probe.load(std::memory_order_relaxed)) return;
-    s_->next_abort_probe.store(t + std::chrono::duration_cast<clock::duration>(std::chrono::milliseconds(1)).count(),
-                               std::memory_order_relaxed);
+    if (!now && t < fam.next_probe.load(std::memory_order_relaxed)) return;
+    fam.next_probe.store(t + std::chrono::duration_cast<clock::duration>(std::chrono::milliseconds(1)).count(),
+                         std::memory_order_relaxed);
     for (;;) {
       int flag = 0;
       MPI_Message msg = MPI_MESSAGE_NULL;
       MPI_Status st{};
-      if (MPI_Improbe(MPI_ANY_SOURCE, detail::mpi_abort_message::tag, s_->abort_comm, &flag, &msg, &st) != MPI_SUCCESS || !flag)
+      if (MPI_Improbe(MPI_ANY_SOURCE, detail::mpi_abort_message::tag, fam.comm, &flag, &msg, &st) != MPI_SUCCESS || !flag)
         break;
       int count = 0;
       MPI_Get_count(&st, MPI_BYTE, &count);
       std::vector<char> b(static_cast<std::size_t>(std::max(count, 1)));
       if (MPI_Mrecv(b.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
-      std::uint64_t id = 0;
+      std::uint64_t id = 0, where = 0;
       std::int32_t from = -1;
       if (static_cast<std::size_t>(count) < detail::mpi_abort_message::head) continue;
       std::memcpy(&id, b.data(), sizeof id);
-      std::memcpy(&from, b.data() + sizeof id, sizeof from);
-      if (id != s_->id) continue;  // a late message for an earlier group on a reused context id
+      std::memcpy(&where, b.data() + sizeof id, sizeof where);
+      std::memcpy(&from, b.data() + 2 * sizeof id, sizeof from);
+      // A late message for an earlier family on a reused context id, or a rank out of range.
+      if (id != fam.id || from < 0 || from >= fam.size) continue;
       const std::string reason(b.data() + detail::mpi_abort_message::head, static_cast<std::size_t>(count) - detail::mpi_abort_message::head);
+      // The group the failure happened in (if this process is in it) hears "rank R failed", as a
+      // group alone always did; the family's other groups hear where it happened.
+      std::vector<std::shared_ptr<detail::mpi_comm_state>> there;
       {
-        std::lock_guard lk(s_->m);
-        if (!s_->aborted.load()) {
-          s_->failed_rank = from;
-          s_->abort_reason = "rank " + std::to_string(from) + " failed: " + reason;
-          s_->aborted.store(true);
-        }
+        std::lock_guard lk(fam.m);
+        for (auto& w : fam.groups)
+          if (auto p = w.lock(); p && p->id == where) there.push_back(std::move(p));
       }
+      for (auto& g : there) {
+        const int here = g->rank_of_first(from);
+        std::lock_guard lk(g->m);
+        if (g->aborted.load() || here < 0) continue;
+        g->told = true;
+        g->failed_rank = here;
+        g->abort_reason = g->name(here, from) + " failed: " + reason;
+        g->aborted.store(true);
+      }
+      detail::fail_family(fam, from, where, reason);
       throw_if_aborted(op, peer);
     }
   }
@@ -610,6 +740,31 @@ class mpi_p2p {
   }
 
  private:
+  // Makes `child` (split from this endpoint's group) a group of this one's family: where its ranks
+  // are in the first group, and failed at once if the family already is.
+  void join_family(detail::mpi_comm_state& child, const std::shared_ptr<detail::mpi_comm_state>& owner) {
+    detail::mpi_family& fam = *s_->family;
+    child.family = s_->family;
+    MPI_Group mine = MPI_GROUP_NULL, first = MPI_GROUP_NULL;
+    MPI_Comm_group(child.comm, &mine);
+    MPI_Comm_group(fam.comm, &first);
+    std::vector<int> ranks(static_cast<std::size_t>(child.size));
+    for (int i = 0; i < child.size; ++i) ranks[static_cast<std::size_t>(i)] = i;
+    child.first.assign(ranks.size(), MPI_UNDEFINED);
+    MPI_Group_translate_ranks(mine, child.size, ranks.data(), first, child.first.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&first);
+    int origin = -1;
+    std::string reason;
+    {
+      std::lock_guard lk(fam.m);
+      std::erase_if(fam.groups, [](const std::weak_ptr<detail::mpi_comm_state>& w) { return w.expired(); });
+      fam.groups.push_back(owner);
+      if (fam.failed.load()) origin = fam.origin, reason = fam.reason;
+    }
+    if (origin >= 0) detail::mark_failed_from_family(child, origin, origin == fam.rank, reason);
+  }
+
   // One look at a request: true when it has finished.
   bool test(request& r, const char* op) {
     if (!match_all(r.slot_.get()) && r.slot_) return false;

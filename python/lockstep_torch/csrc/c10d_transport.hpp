@@ -30,7 +30,9 @@
 // Waiting. c10d's Gloo work has no non-blocking test, only wait(timeout), so every wait is one
 // blocking call bounded by the remaining time to the deadline. Gloo treats a timed-out receive as
 // fatal for its context: it closes every pair, so the peers' pending operations fail at once too
-// (what lockstep's abort would want), and the process group cannot be used afterwards.
+// (what lockstep's abort would want), and the process group cannot be used afterwards. So this
+// transport cannot poll as mpi_p2p and shm do (lockstep/transport/poll.hpp: short looks with a
+// backoff): a look with a short timeout that found nothing would end the process group.
 //
 // abort() marks this endpoint failed: later calls throw errc::aborted. c10d has no way to tell the
 // peers; they stop at their own timeouts (or when a Gloo timeout closes the pairs).
@@ -148,6 +150,10 @@ class c10d_transport {
   static constexpr std::size_t segment_bytes = std::size_t{1} << 20;
   static constexpr int max_channels = 32;
   static constexpr std::uint32_t max_tag = (std::uint32_t{1} << 25) - 1;
+  // Gloo's send moves no byte before the peer's receive has sent its notice, which travels on the
+  // connection that also carries our data to that peer: the executor posts a step's receives
+  // before its sends (collective/executor.hpp), or a torus's two-way steps ran one way at a time.
+  static constexpr bool sends_wait_for_receives = true;
 
   // One posted send or receive; move-only. Its bytes (and trailer) live in a buffer from the
   // endpoint's pool. Destroying an unfinished request hands its work and buffer to the graveyard,

@@ -51,6 +51,7 @@
 
 #include "../../core/error.hpp"
 #include "../concept.hpp"
+#include "../poll.hpp"
 #include "ring.hpp"
 #include "segment.hpp"
 
@@ -240,32 +241,29 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
     recv_op* const recv = r.recv();
     send_op* const send = recv ? nullptr : std::get<std::shared_ptr<send_op>>(r.op_).get();
     const char* op = recv ? "recv" : "send";
-    for (int polls = 0;; ++polls) {
-      const std::uint32_t seen = block(local_).bell.seen();
-      progress(recv, in_place);
-      if (recv && recv->in_ring.load(std::memory_order_acquire)) {
-        if (in_place) return true;  // wait_view reads it there
-        take(*recv);                // parked in the ring: a plain wait copies it out
-      }
-      if ((recv ? recv->done : send->done).load(std::memory_order_acquire)) {
-        r.done_ = true;
-        if (recv && recv->withdrawn) throw_if_peer_failed(op, r.peer_);  // the failure, not its echo
-        if (recv) throw_if_failed(*recv, r.peer_);
-        return true;
-      }
-      // After a look that found nothing, so that what idle checks (the routed transport: is the
-      // peer's process still there?) never overtakes a message that had arrived.
-      idle();
-      throw_if_peer_failed(op, names_[static_cast<std::size_t>(r.peer_)]);
-      const auto now = clock::now();
-      if (now >= deadline) return false;
-      if (polls < spin_polls) continue;
-      if (polls < spin_polls + yield_polls) {
-        std::this_thread::yield();
-        continue;
-      }
-      sleep(seen, std::min<std::chrono::nanoseconds>(deadline - now, cap));
-    }
+    std::uint32_t seen = 0;  // the doorbell before the last look: a ring after it ends the pause
+    return transport::detail::poll_until(
+        deadline, {spin_polls, yield_polls},
+        [&] {
+          seen = block(local_).bell.seen();
+          progress(recv, in_place);
+          if (recv && recv->in_ring.load(std::memory_order_acquire)) {
+            if (in_place) return true;  // wait_view reads it there
+            take(*recv);                // parked in the ring: a plain wait copies it out
+          }
+          if (!(recv ? recv->done : send->done).load(std::memory_order_acquire)) return false;
+          r.done_ = true;
+          if (recv && recv->withdrawn) throw_if_peer_failed(op, r.peer_);  // the failure, not its echo
+          if (recv) throw_if_failed(*recv, r.peer_);
+          return true;
+        },
+        [&] {
+          // After a look that found nothing, so that what idle checks (the routed transport: is
+          // the peer's process still there?) never overtakes a message that had arrived.
+          idle();
+          throw_if_peer_failed(op, names_[static_cast<std::size_t>(r.peer_)]);
+        },
+        [&](clock::time_point now) { sleep(seen, std::min<std::chrono::nanoseconds>(deadline - now, cap)); });
   }
   bool wait(request& r, clock::time_point deadline) { return wait(r, deadline, [] {}, idle_sleep); }
 
