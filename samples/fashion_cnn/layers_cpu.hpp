@@ -5,6 +5,8 @@
 // the trainer. Convolution and the linear layer run on oneDNN; batch norm, ReLU and the loss are
 // own kernels because oneDNN has no batch norm whose statistics span several replicas (Ying et al.
 // 2018), and no loss; max pooling is own because oneDNN's plain-NCHW pooling is slow (see there).
+// Batch norm and max pooling split their channels (planes) over the OpenMP threads; each channel's
+// arithmetic is the same whatever the thread count, so runs stay bit-identical across --threads.
 // Limits: fp32, NCHW activations, 3x3 convolutions with stride 1 and padding 1, 2x2 max pooling
 // with stride 2 (odd sizes round up: the last row/column pools over what exists). oneDNN
 // primitives are built once per shape and thread (thread_local cache), so replicas running as
@@ -122,6 +124,7 @@ inline void maxpool_forward(float* out,         // (B, C, ceil(H/2), ceil(W/2))
                             int B, int C, int H, int W) {
   const int OH = pooled(H), OW = pooled(W);
   auto* arg = static_cast<std::uint8_t*>(workspace);
+#pragma omp parallel for schedule(static)
   for (int bc = 0; bc < B * C; ++bc) {
     const float* x = inp + static_cast<std::size_t>(bc) * H * W;
     float* y = out + static_cast<std::size_t>(bc) * OH * OW;
@@ -137,9 +140,10 @@ inline void maxpool_backward(float* dinp,            // (B, C, H, W), overwritte
                              int B, int C, int H, int W) {
   const int OH = pooled(H), OW = pooled(W);
   const auto* arg = static_cast<const std::uint8_t*>(workspace);
-  std::fill(dinp, dinp + static_cast<std::size_t>(B) * C * H * W, 0.0f);
+#pragma omp parallel for schedule(static)
   for (int bc = 0; bc < B * C; ++bc) {
     float* dx = dinp + static_cast<std::size_t>(bc) * H * W;
+    std::fill(dx, dx + static_cast<std::size_t>(H) * W, 0.0f);
     const float* dy = dout + static_cast<std::size_t>(bc) * OH * OW;
     const std::uint8_t* a = arg + static_cast<std::size_t>(bc) * OH * OW;
     for (int oy = 0; oy < OH; ++oy)
@@ -185,6 +189,7 @@ inline void batchnorm_relu_forward(float* out,           // (B, K, HW)
     // stats = (n, mean[K], M2[K]) of this replica.
     std::vector<float> stats(1 + 2 * static_cast<std::size_t>(K));
     stats[0] = static_cast<float>(B) * HW;
+#pragma omp parallel for schedule(static)
     for (int k = 0; k < K; ++k) {
       // Each plane (at most 28 x 28 values) is summed in float, vectorised by omp simd; planes in double.
       double s = 0;
@@ -220,6 +225,7 @@ inline void batchnorm_relu_forward(float* out,           // (B, K, HW)
       rstd[k] = 1.0f / std::sqrt(running_var[k] + eps);
     }
   }
+#pragma omp parallel for collapse(2) schedule(static)
   for (int b = 0; b < B; ++b)
     for (int k = 0; k < K; ++k) {
       const float* x = inp + b * img + k * plane;
@@ -244,6 +250,7 @@ inline void batchnorm_relu_backward(float* dinp,         // (B, K, HW), overwrit
   const std::size_t plane = static_cast<std::size_t>(HW), img = static_cast<std::size_t>(K) * plane;
   // sums = (sum dy[K], sum dy*xhat[K]) where dy is the gradient before the ReLU.
   std::vector<float> sums(2 * static_cast<std::size_t>(K));
+#pragma omp parallel for schedule(static)
   for (int k = 0; k < K; ++k) {
     double sdy = 0, sdyx = 0;
     const bn_affine f = bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
@@ -266,16 +273,16 @@ inline void batchnorm_relu_backward(float* dinp,         // (B, K, HW), overwrit
     dgamma[k] = sums[K + k];
   }
   if (group.size > 1) group.sum(sums);
-  for (int k = 0; k < K; ++k) {
-    const bn_affine f = bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
-    const float mdy = sums[k] / count, mdyx = sums[K + k] / count;
-    for (int b = 0; b < B; ++b) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int b = 0; b < B; ++b)
+    for (int k = 0; k < K; ++k) {
+      const bn_affine f = bn_fold(gamma[k], beta[k], mean[k], rstd[k]);
+      const float mdy = sums[k] / count, mdyx = sums[K + k] / count;
       const float* x = inp + b * img + k * plane;
       const float* g = dout + b * img + k * plane;
       float* dx = dinp + b * img + k * plane;
       for (std::size_t i = 0; i < plane; ++i) dx[i] = bn_relu_dx(x[i], g[i], f, mean[k], rstd[k], mdy, mdyx);
     }
-  }
 }
 
 // ----------------------------------------------------------------------------------------------

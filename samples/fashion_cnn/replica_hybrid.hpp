@@ -28,6 +28,7 @@
 #include <lockstep/optim/split_update.hpp>
 #include <lockstep/optim/step.hpp>
 
+#include "../common/replica.hpp"
 #include "head_hybrid.hpp"
 #include "model.hpp"
 #include "trainer.hpp"
@@ -59,8 +60,7 @@ class hybrid_replica {
     for (std::size_t b = 0; b <= static_cast<std::size_t>(nblocks); ++b)  // the blocks and the head bucket
       dp_buckets_.push_back({m_.L.buckets[b].first, m_.L.buckets[b].second});
     head_ = make_hybrid_head(world, o.parallel, o.activation_codec, o.codec_block, F_, H1_, H2_);
-    const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    omp_set_num_threads(o.threads > 0 ? o.threads : std::max(1, hw / world.size()));
+    sample::set_replica_threads(o.threads, world.size());
   }
 
   float train_step(const sample::batch& b, int B, const bn_group& bng, float lr) {
