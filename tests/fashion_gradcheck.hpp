@@ -58,4 +58,48 @@ inline void check_gradient(std::vector<float>& x, const std::vector<float>& grad
   REQUIRE(checked >= samples / 2);
 }
 
+// The maxpool case both backends check: 2 x 3 planes of 7 x 6, so the last row pools alone.
+// forward(x) returns the pooled values and backward(r) the input gradient, both as host vectors
+// (the backend keeps its argmax workspace between the two).
+struct maxpool_case {
+  static constexpr int B = 2, C = 3, H = 7, W = 6;
+};
+template <class Forward, class Backward>
+void check_maxpool(Forward&& forward, Backward&& backward) {
+  using m = maxpool_case;
+  auto x = randn(static_cast<std::size_t>(m::B) * m::C * m::H * m::W, 6);
+  auto r = randn(static_cast<std::size_t>(m::B) * m::C * ((m::H + 1) / 2) * ((m::W + 1) / 2), 7);
+  auto loss = [&] { return dot(forward(x), r); };
+  loss();
+  const std::vector<float> dx = backward(r);
+  check_gradient(x, dx, loss, 60, 1e-3f, 8);
+  double last_row = 0;  // the lone last row's maxima must reach the output
+  for (int p = 0; p < m::B * m::C; ++p)
+    for (int j = 0; j < m::W; ++j) last_row += std::fabs(dx[(static_cast<std::size_t>(p) * m::H + m::H - 1) * m::W + j]);
+  CHECK(last_row > 0);
+}
+
+// The linear case both backends check: 3 rows of 20 features onto 5 classes. forward(x, w, b)
+// returns out (B, NC); backward(r, x, w) returns {dx, dw, db}; all host vectors.
+struct linear_case {
+  static constexpr int B = 3, F = 20, NC = 5;
+};
+struct linear_grads {
+  std::vector<float> dx, dw, db;
+};
+template <class Forward, class Backward>
+void check_linear(Forward&& forward, Backward&& backward) {
+  using m = linear_case;
+  auto x = randn(static_cast<std::size_t>(m::B) * m::F, 9);
+  auto w = randn(static_cast<std::size_t>(m::NC) * m::F, 10, 0.3f);
+  auto b = randn(static_cast<std::size_t>(m::NC), 11);
+  auto r = randn(static_cast<std::size_t>(m::B) * m::NC, 12);
+  auto loss = [&] { return dot(forward(x, w, b), r); };
+  loss();
+  const linear_grads g = backward(r, x, w);
+  check_gradient(x, g.dx, loss, 30, 1e-2f, 13);
+  check_gradient(w, g.dw, loss, 30, 1e-2f, 14);
+  check_gradient(b, g.db, loss, 5, 1e-2f, 15);
+}
+
 }  // namespace fashion_test

@@ -28,42 +28,33 @@ TEST_CASE("conv3x3 gradients match finite differences", "[fashion][layers]") {
 }
 
 TEST_CASE("maxpool2x2 gradients match finite differences, odd sizes included", "[fashion][layers]") {
-  const int B = 2, C = 3, H = 7, W = 6;
-  auto x = randn(static_cast<std::size_t>(B) * C * H * W, 6);
-  auto r = randn(static_cast<std::size_t>(B) * C * pooled(H) * pooled(W), 7);
-  std::vector<float> out(r.size()), dx(x.size());
-  std::vector<std::uint8_t> ws(maxpool_workspace_bytes(B, C, H, W));
-  auto loss = [&] {
-    maxpool_forward(out.data(), ws.data(), x.data(), B, C, H, W);
-    return dot(out, r);
-  };
-  loss();
-  maxpool_backward(dx.data(), r.data(), ws.data(), B, C, H, W);
-  check_gradient(x, dx, loss, 60, 1e-3f, 8);
-  // The last row of a 7-high input pools alone: its maxima must reach the output.
-  double last_row = 0;
-  for (int b = 0; b < B; ++b)
-    for (int c = 0; c < C; ++c)
-      for (int j = 0; j < W; ++j) last_row += std::fabs(dx[((b * C + c) * H + H - 1) * W + j]);
-  CHECK(last_row > 0);
+  using m = maxpool_case;
+  std::vector<std::uint8_t> ws(maxpool_workspace_bytes(m::B, m::C, m::H, m::W));
+  std::vector<float> out(static_cast<std::size_t>(m::B) * m::C * pooled(m::H) * pooled(m::W));
+  std::vector<float> dx(static_cast<std::size_t>(m::B) * m::C * m::H * m::W);
+  check_maxpool([&](const std::vector<float>& x) {
+                  maxpool_forward(out.data(), ws.data(), x.data(), m::B, m::C, m::H, m::W);
+                  return out;
+                },
+                [&](const std::vector<float>& r) {
+                  maxpool_backward(dx.data(), r.data(), ws.data(), m::B, m::C, m::H, m::W);
+                  return dx;
+                });
 }
 
 TEST_CASE("linear gradients match finite differences", "[fashion][layers]") {
-  const int B = 3, F = 20, NC = 5;
-  auto x = randn(static_cast<std::size_t>(B) * F, 9);
-  auto w = randn(static_cast<std::size_t>(NC) * F, 10, 0.3f);
-  auto b = randn(static_cast<std::size_t>(NC), 11);
-  auto r = randn(static_cast<std::size_t>(B) * NC, 12);
-  std::vector<float> out(r.size()), dx(x.size()), dw(w.size()), db(b.size());
-  auto loss = [&] {
-    linear_forward(out.data(), x.data(), w.data(), b.data(), B, F, NC);
-    return dot(out, r);
-  };
-  loss();
-  linear_backward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), B, F, NC);
-  check_gradient(x, dx, loss, 30, 1e-2f, 13);
-  check_gradient(w, dw, loss, 30, 1e-2f, 14);
-  check_gradient(b, db, loss, 5, 1e-2f, 15);
+  using m = linear_case;
+  std::vector<float> out(static_cast<std::size_t>(m::B) * m::NC);
+  check_linear(
+      [&](const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& b) {
+        linear_forward(out.data(), x.data(), w.data(), b.data(), m::B, m::F, m::NC);
+        return out;
+      },
+      [&](const std::vector<float>& r, const std::vector<float>& x, const std::vector<float>& w) {
+        linear_grads g{std::vector<float>(x.size()), std::vector<float>(w.size()), std::vector<float>(m::NC)};
+        linear_backward(g.dx.data(), g.dw.data(), g.db.data(), r.data(), x.data(), w.data(), m::B, m::F, m::NC);
+        return g;
+      });
 }
 
 TEST_CASE("batchnorm+relu gradients match finite differences (local group)", "[fashion][layers]") {

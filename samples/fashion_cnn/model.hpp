@@ -90,20 +90,16 @@ inline model model_create(const config& cfg, std::uint64_t seed) {
 inline void model_resize(model& m, int B) {
   if (m.B == B) return;
   m.B = B;
-  std::size_t biggest = 0;
-  int C = 1;
   for (int i = 0; i < nblocks; ++i) {
-    const int K = m.cfg.channels[i], S = m.L.side_in[i], P = pooled(S);
-    const std::size_t n = static_cast<std::size_t>(B) * K * S * S;
-    m.conv_out[i].assign(n, 0.0f);
-    m.bn_out[i].assign(n, 0.0f);
-    m.pool_out[i].assign(static_cast<std::size_t>(B) * K * P * P, 0.0f);
-    m.pool_ws[i].assign(maxpool_workspace_bytes(B, K, S, S), 0);
-    m.bn_mean[i].assign(static_cast<std::size_t>(K), 0.0f);
-    m.bn_rstd[i].assign(static_cast<std::size_t>(K), 0.0f);
-    biggest = std::max({biggest, n, static_cast<std::size_t>(B) * C * S * S});
-    C = K;
+    const block_buffers z = block_sizes(m.cfg, m.L, B, i);
+    m.conv_out[i].assign(z.out, 0.0f);
+    m.bn_out[i].assign(z.out, 0.0f);
+    m.pool_out[i].assign(z.pooled, 0.0f);
+    m.pool_ws[i].assign(z.pool_ws, 0);
+    m.bn_mean[i].assign(z.channels, 0.0f);
+    m.bn_rstd[i].assign(z.channels, 0.0f);
   }
+  const std::size_t biggest = biggest_activation(m.cfg, m.L, B);
   m.logits.assign(static_cast<std::size_t>(B) * m.cfg.classes, 0.0f);
   m.probs.assign(m.logits.size(), 0.0f);
   m.input.assign(static_cast<std::size_t>(B) * m.cfg.side * m.cfg.side, 0.0f);

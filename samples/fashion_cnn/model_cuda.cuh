@@ -83,19 +83,15 @@ inline void model_resize(model& m, int B) {
   if (m.B == B) return;
   auto s = cuda_ctx().stream;
   m.B = B;
-  std::size_t biggest = 0;
-  int C = 1;
   for (int i = 0; i < nblocks; ++i) {
-    const int K = m.cfg.channels[i], S = m.L.side_in[i], P = pooled(S);
-    const std::size_t n = static_cast<std::size_t>(B) * K * S * S;
-    m.conv_out[i] = dbuf<float>(n, s);
-    m.bn_out[i] = dbuf<float>(n, s);
-    m.pool_out[i] = dbuf<float>(static_cast<std::size_t>(B) * K * P * P, s);
-    m.pool_ws[i] = dbuf<std::uint8_t>(maxpool_workspace_bytes(B, K, S, S), s);
-    m.bn_mean_rstd[i] = dbuf<float>(2 * static_cast<std::size_t>(K), s);
-    biggest = std::max({biggest, n, static_cast<std::size_t>(B) * C * S * S});
-    C = K;
+    const block_buffers z = block_sizes(m.cfg, m.L, B, i);
+    m.conv_out[i] = dbuf<float>(z.out, s);
+    m.bn_out[i] = dbuf<float>(z.out, s);
+    m.pool_out[i] = dbuf<float>(z.pooled, s);
+    m.pool_ws[i] = dbuf<std::uint8_t>(z.pool_ws, s);
+    m.bn_mean_rstd[i] = dbuf<float>(2 * z.channels, s);
   }
+  const std::size_t biggest = biggest_activation(m.cfg, m.L, B);
   const std::size_t nl = static_cast<std::size_t>(B) * m.cfg.classes;
   m.logits = dbuf<float>(nl, s);
   m.probs = dbuf<float>(nl, s);

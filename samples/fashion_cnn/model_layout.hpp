@@ -3,6 +3,7 @@
 // model_cuda.cuh on cuDNN), so that a seed gives the same model on either.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -95,6 +96,28 @@ inline layout make_layout(const config& cfg) {
     L.buckets.push_back({at, L.total});
   }
   return L;
+}
+
+// What a batch of B images needs in block i: both backends' model_resize allocate these.
+struct block_buffers {
+  std::size_t out;       // conv and batch-norm outputs (B, K, S, S)
+  std::size_t pooled;    // (B, K, S/2, S/2), rounded up
+  std::size_t pool_ws;   // the maxpool's argmax bytes
+  std::size_t channels;  // K: batch-norm mean and rstd
+};
+inline block_buffers block_sizes(const config& cfg, const layout& L, int B, int i) {
+  const int K = cfg.channels[i], S = L.side_in[i], P = pooled(S);
+  const auto b = static_cast<std::size_t>(B);
+  return {b * K * S * S, b * K * P * P, maxpool_workspace_bytes(B, K, S, S), static_cast<std::size_t>(K)};
+}
+// The largest activation (or its gradient) the backward pass holds: dact_a and dact_b's size.
+inline std::size_t biggest_activation(const config& cfg, const layout& L, int B) {
+  std::size_t biggest = 0;
+  for (int i = 0; i < nblocks; ++i) {
+    const std::size_t in = static_cast<std::size_t>(B) * (i ? cfg.channels[i - 1] : 1) * L.side_in[i] * L.side_in[i];
+    biggest = std::max({biggest, block_sizes(cfg, L, B, i).out, in});
+  }
+  return biggest;
 }
 
 // The head's tensors, by name (tensor_info indices after the blocks).

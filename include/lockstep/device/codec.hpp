@@ -52,10 +52,10 @@ __device__ void fill_table(float* table) {
   __syncthreads();
 }
 
-// One CUDA block per codec block, grid-stride over the codec blocks. A thread keeps its first
-// `Items` values in registers between the absmax and the quantisation, so a codec block of up to
-// Threads * Items values is read from memory once. residual may be null (no error feedback).
-template <class Format, int Threads, int Items>
+// One CUDA block per codec block, grid-stride over the codec blocks: the absmax pass, then the
+// quantisation pass, which reads the block again (4 KiB of x and residual at most, still in L1).
+// residual may be null (no error feedback).
+template <class Format, int Threads>
 __global__ void __launch_bounds__(Threads)
 blockwise_encode(codec::blockwise<Format> cw, const float* __restrict__ x, float* __restrict__ residual, std::size_t n,
                  std::byte* __restrict__ wire) {
@@ -68,34 +68,21 @@ blockwise_encode(codec::blockwise<Format> cw, const float* __restrict__ x, float
   float* __restrict__ scales = reinterpret_cast<float*>(wire);
   std::uint8_t* __restrict__ codes = cw.codes(wire, n);
   for (std::size_t b = blockIdx.x; b < cw.blocks(n); b += gridDim.x) {
-    const auto span = cw.block_span(b, n);
-    const std::size_t lo = span.lo, len = span.len;  // not a structured binding: the lambdas capture them
-    float v[Items];
+    const auto [lo, len] = cw.block_span(b, n);
     std::uint32_t m = 0;
-#pragma unroll
-    for (int k = 0; k < Items; ++k) {
-      const std::size_t i = threadIdx.x + std::size_t(k) * Threads;
-      v[k] = i < len ? load(lo + i) : 0.0f;
-      m = max(m, codec::magnitude_bits(v[k]));
-    }
-    for (std::size_t i = threadIdx.x + std::size_t(Items) * Threads; i < len; i += Threads) m = max(m, codec::magnitude_bits(load(lo + i)));
+    for (std::size_t i = threadIdx.x; i < len; i += Threads) m = max(m, codec::magnitude_bits(load(lo + i)));
     const float scale = codec::block_scale(absmax::all(red, m, ::cuda::maximum<>{}));
     if (threadIdx.x == 0) scales[b] = scale;
 
     // As blockwise::quantize_block: an all-zero or non-finite block carries no codes.
     const bool live = codec::block_scale_carries(scale);  // the host encoder's rule (blockwise.hpp)
     const float inv = live ? __fdiv_rn(1.0f, scale) : 0.0f;
-    auto emit = [&](std::size_t i, float vi) {
-      const std::uint8_t c = live ? Format::quantize(__fmul_rn(vi, inv)) : std::uint8_t{0};
+    for (std::size_t i = threadIdx.x; i < len; i += Threads) {
+      const float v = load(lo + i);
+      const std::uint8_t c = live ? Format::quantize(__fmul_rn(v, inv)) : std::uint8_t{0};
       codes[lo + i] = c;
-      if (residual) residual[lo + i] = __fsub_rn(vi, __fmul_rn(table[c], scale));
-    };
-#pragma unroll
-    for (int k = 0; k < Items; ++k) {
-      const std::size_t i = threadIdx.x + std::size_t(k) * Threads;
-      if (i < len) emit(i, v[k]);
+      if (residual) residual[lo + i] = __fsub_rn(v, __fmul_rn(table[c], scale));
     }
-    for (std::size_t i = threadIdx.x + std::size_t(Items) * Threads; i < len; i += Threads) emit(i, load(lo + i));
   }
 }
 
@@ -127,12 +114,10 @@ blockwise_decode(codec::blockwise<Format> cw, const std::byte* __restrict__ wire
 template <codec::elementwise C>
 struct codec_kernels<C> {
   static void encode(const C&, const float* x, std::size_t n, std::byte* out, float* residual, cudaStream_t s) {
-    if (!n) return;
     if (C::identity && !residual) return check(cudaMemcpyAsync(out, x, n * sizeof(float), cudaMemcpyDefault, s), "encode copy");
     for_each_index(n, codec::encode_elements<C>{x, residual, reinterpret_cast<typename C::element*>(out)}, s, "encode");
   }
   static void decode(const C&, const std::byte* in, std::size_t n, float* out, bool add, cudaStream_t s) {
-    if (!n) return;
     if (C::identity && !add) return check(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDefault, s), "decode copy");
     const auto* codes = reinterpret_cast<const typename C::element*>(in);
     for_each_index(n, codec::decode_elements<C>{codes, out, add}, s, add ? "decode_add" : "decode");
@@ -145,7 +130,7 @@ struct codec_kernels<codec::blockwise<Format>> {
   static void encode(const codec::blockwise<Format>& c, const float* x, std::size_t n, std::byte* out, float* residual,
                      cudaStream_t s) {
     if (!n) return;
-    kernels::blockwise_encode<Format, P::block_threads, P::items>
+    kernels::blockwise_encode<Format, P::block_threads>
         <<<grid_for(c.blocks(n), P::blocks_per_sm), P::block_threads, 0, s>>>(c, x, residual, n, out);
     check_launch("blockwise encode");
   }

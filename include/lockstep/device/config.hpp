@@ -24,16 +24,17 @@
 
 namespace lockstep::device {
 
-// Launch shapes. Chosen by reasoning, not yet by measurement (no GPU in the session that wrote
-// them): scripts/gpu-check's bench output is what should move them.
+// Launch shapes (how they were chosen, what should move them: docs/design.md, "Device launch shapes").
 struct codec_policy {
   static constexpr int block_threads = 128;  // one CUDA block per codec block of 512 values: 4 each
-  static constexpr int items = 4;            // values a thread keeps in registers between absmax and quantise
   static constexpr int blocks_per_sm = 16;   // 16 x 128 threads = 2048, a full SM on sm_80 and sm_90
 };
 struct elementwise_policy {
   static constexpr int block_threads = 256;
   static constexpr int blocks_per_sm = 8;
+};
+struct optim_policy {
+  static constexpr int block_threads = 256;  // a param_set block of 4096 values: 16 per thread
 };
 
 // A grid of at most `per_sm` blocks per SM: kernels loop grid-stride, so every block builds its

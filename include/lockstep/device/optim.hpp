@@ -34,10 +34,6 @@
 
 namespace lockstep::device {
 
-struct optim_policy {
-  static constexpr int block_threads = 256;  // a param_set block of 4096 values: 16 per thread
-};
-
 // The param_set's tensors and blocks in device memory (optim/param_layout.hpp).  // (tensor), (block)
 class param_table {
  public:
@@ -141,6 +137,8 @@ optim_update(const param_table::block* __restrict__ blocks, std::size_t first, s
 // buffers of params().size() elements. Every call enqueues on the stream and returns.
 template <class O>
 class sweep {
+  using P = optim_policy;
+
  public:
   sweep(const O& o, param_table& table, optim::step_context ctx, float* w, const float* g, float* v,
         std::uint16_t* w_bf16, cudaStream_t s)
@@ -152,7 +150,6 @@ class sweep {
 
   // Sums (when `sums`) and coefficients of tensors [t0, t1).
   void coefficients(std::size_t t0, std::size_t t1, bool sums) {
-    using P = optim_policy;
     if (t1 <= t0) return;
     const auto [b0, b1] = optim::blocks_of(t_.params(), t0, t1);
     if (sums && b1 > b0) {
@@ -166,7 +163,6 @@ class sweep {
   }
   // The update of tensors [t0, t1), restricted to elements [lo, hi).
   void update(std::size_t t0, std::size_t t1, std::size_t lo, std::size_t hi) {
-    using P = optim_policy;
     const auto [b0, b1] = optim::blocks_of(t_.params(), t0, t1);
     if (b1 <= b0 || hi <= lo) return;
     kernels::optim_update<O, P::block_threads><<<grid_for(b1 - b0, 8), P::block_threads, 0, s_>>>(

@@ -31,11 +31,9 @@ inline void check(cudaError_t e, const char* what, int rank = -1, int peer = -1)
 // test can report "skipped" instead of failing on a machine without a GPU.
 inline int device_count() noexcept {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the sticky "no device" error for later calls
-    return 0;
-  }
-  return n;
+  if (cudaGetDeviceCount(&n) == cudaSuccess) return n;
+  (void)cudaGetLastError();  // clear the sticky "no device" error for later calls
+  return 0;
 }
 
 // Streaming multiprocessors of the current device: grids of persistent blocks are sized from it.

@@ -13,9 +13,8 @@
 //        [lo, hi) then gets the update kernel over its elements only.
 //   LARS (norms): a run of tensors a..b whose gradients are final gets its sums, coefficients and
 //        update: three kernels over exactly their blocks.
-// Compared with the host step, weights agree bit for bit for SGD (same element function, same
-// all-reduce result) and to fp64 rounding of the norms for LARS (the device adds a block's squares
-// in a tree, the host in eight lanes; see device/optim.hpp).
+// Against the host step, weights agree bit for bit for SGD (the same element function and
+// all-reduce result) and to fp64 rounding of the norms for LARS (device/optim.hpp says why).
 #pragma once
 
 #include "config.hpp"
@@ -40,11 +39,6 @@ struct plan {
   std::uint16_t* weights_bf16 = nullptr;  // (element) device bf16 copy of the new weights, or null
   optim::averaging average = optim::averaging::in_update;
 };
-
-template <class O>
-std::size_t plan_elements(const plan<O>& p) noexcept {
-  return p.table.params().size();
-}
 
 template <class O>
 class engine : public optim::engine_base {

@@ -62,10 +62,4 @@ struct plan {
   }
 };
 
-// The elements a plan updates (what optim::step's single bucket covers).
-template <class O>
-std::size_t plan_elements(const plan<O>& p) noexcept {
-  return p.params.size();
-}
-
 }  // namespace lockstep::optim

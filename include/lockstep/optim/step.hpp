@@ -255,10 +255,10 @@ bucketed_step<Tr, T, C, Engine> begin_step(group<Tr>& g, const T& topo, C& codec
 }
 
 // The fused step over the whole buffer: one all-reduce, the update as its epilogue. Any plan
-// begin_step takes.
+// begin_step takes (its engine checks that the gradients cover the parameters).
 template <class Tr, class T, class C, class Plan>
 void step(group<Tr>& g, const T& topo, C& codec, const Plan& p, float lr) {
-  const bucket whole[1] = {{0, plan_elements(p)}};
+  const bucket whole[1] = {{0, p.grads.size()}};
   auto s = begin_step(g, topo, codec, p, whole, lr);
   s.bucket_ready(0);
   s.wait();

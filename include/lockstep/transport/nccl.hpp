@@ -51,12 +51,11 @@ class nccl {
   class communicator {
    public:
     communicator() = default;
-    explicit communicator(ncclComm_t c) : c_(std::make_shared<owned>(c)) {}
-    ncclComm_t get() const noexcept { return c_ ? c_->comm : nullptr; }
+    explicit communicator(ncclComm_t c)
+        : c_(new ncclComm_t(c), [](ncclComm_t* p) { if (*p) ncclCommDestroy(*p); delete p; }) {}
+    ncclComm_t get() const noexcept { return c_ ? *c_ : nullptr; }
     // ncclCommAbort instead of the destroy: frees the communicator and unblocks its pending work.
-    void abort() {
-      if (get()) ncclCommAbort(std::exchange(c_->comm, nullptr));
-    }
+    void abort() { if (get()) ncclCommAbort(std::exchange(*c_, nullptr)); }
 
     // One communicator per listed device, all in this process (ncclCommInitAll). NCCL needs
     // distinct GPUs per rank, so several ranks on one GPU are inproc_device's job, not NCCL's.
@@ -76,14 +75,7 @@ class nccl {
     }
 
    private:
-    struct owned {
-      explicit owned(ncclComm_t c) : comm(c) {}
-      ~owned() {
-        if (comm) ncclCommDestroy(comm);
-      }
-      ncclComm_t comm;  // null once aborted
-    };
-    std::shared_ptr<owned> c_;
+    std::shared_ptr<ncclComm_t> c_;  // holds null once aborted
   };
 
   using space_type = device::cuda_space;
