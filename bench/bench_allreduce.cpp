@@ -19,6 +19,7 @@
 #include <lockstep/lockstep.hpp>
 #if LOCKSTEP_HAVE_MPI
 #include <lockstep/transport/mpi.hpp>
+#include "cli.hpp"
 #endif
 
 #include <unistd.h>
@@ -64,17 +65,6 @@ struct options {
   std::exit(2);
 }
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t a = 0;
-  while (a <= s.size()) {
-    const std::size_t b = std::min(s.find(',', a), s.size());
-    if (b > a) out.push_back(s.substr(a, b - a));
-    a = b + 1;
-  }
-  return out;
-}
-
 std::size_t parse_bytes(const std::string& s) {
   char* end = nullptr;
   const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
@@ -106,12 +96,12 @@ options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--transport") o.transport = value();
-    else if (a == "--topology") o.topologies = split_list(value());
-    else if (a == "--codec") o.codecs = split_list(value());
+    else if (a == "--topology") o.topologies = lockstep::bench::split_list(value());
+    else if (a == "--codec") o.codecs = lockstep::bench::split_list(value());
     else if (a == "--ranks") o.ranks = std::atoi(value().c_str());
     else if (a == "--sizes") {
       o.sizes.clear();
-      for (const auto& s : split_list(value())) o.sizes.push_back(parse_bytes(s));
+      for (const auto& s : lockstep::bench::split_list(value())) o.sizes.push_back(parse_bytes(s));
     } else if (a == "--iters") o.iters = std::atoi(value().c_str());
     else if (a == "--segment-bytes") o.segment_bytes = parse_bytes(value());
     else if (a == "--no-mpi-allreduce") o.mpi_peer = false;

@@ -44,6 +44,7 @@
 
 #if LOCKSTEP_HAVE_MPI
 #include <lockstep/transport/mpi.hpp>
+#include "cli.hpp"
 #endif
 
 using namespace lockstep;
@@ -65,13 +66,6 @@ struct options {
   bool json = false;
 };
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string x; std::getline(ss, x, ',');) out.push_back(x);
-  return out;
-}
-
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
@@ -88,11 +82,11 @@ options parse(int argc, char** argv) {
     else if (a == "--batch") o.batch = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--features") o.F = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--fc") {
-      const auto v = split_list(next());
+      const auto v = lockstep::bench::split_list(next());
       if (v.size() != 2) std::fprintf(stderr, "lockstep-bench-hybrid: --fc wants H1,H2\n"), std::exit(2);
       o.H1 = std::strtoull(v[0].c_str(), nullptr, 10), o.H2 = std::strtoull(v[1].c_str(), nullptr, 10);
     } else if (a == "--classes") o.NC = std::strtoull(next().c_str(), nullptr, 10);
-    else if (a == "--modes") o.modes = split_list(next());
+    else if (a == "--modes") o.modes = lockstep::bench::split_list(next());
     else if (a == "--iters") o.iters = std::max(1, std::atoi(next().c_str()));
     else if (a == "--threads") o.threads = std::atoi(next().c_str());
     else if (a == "--predict-gbit") o.predict_gbit = std::atof(next().c_str());

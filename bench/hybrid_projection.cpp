@@ -33,6 +33,8 @@
 #include <lockstep/codec/fp32.hpp>
 #include <lockstep/sim/hybrid.hpp>
 
+#include "cli.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -48,13 +50,6 @@ struct options {
 constexpr std::size_t conv_params = 2469696;
 constexpr double conv_gflop_per_image = 3 * 2 * 0.655;  // forward + backward
 
-std::vector<int> int_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  for (std::string x; std::getline(ss, x, ',');) out.push_back(std::atoi(x.c_str()));
-  return out;
-}
-
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
@@ -64,7 +59,10 @@ options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--setting") o.setting = next();
-    else if (a == "--ranks") o.ranks = int_list(next());
+    else if (a == "--ranks") {
+      o.ranks.clear();
+      for (const auto& r : lockstep::bench::split_list(next())) o.ranks.push_back(std::atoi(r.c_str()));
+    }
     else if (a == "--gbit") o.gbit = std::atof(next().c_str());
     else if (a == "--latency-us") o.latency_us = std::atof(next().c_str());
     else if (a == "--tflops") o.tflops = std::atof(next().c_str());

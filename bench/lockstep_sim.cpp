@@ -25,18 +25,11 @@
 #include <lockstep/topology.hpp>
 
 #include "sim_fit.hpp"
+#include "cli.hpp"
 
 namespace {
 
 using namespace lockstep;
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
 
 // "64M" = 64 MiB, "1K" = 1 KiB, "1G" = 1 GiB; plain numbers are bytes (or counts). tc's byte
 // units (256kb, 2mb: powers of 1024 too) are accepted, so netlab's "burst" reads as tc took it.
@@ -115,14 +108,14 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--topology") o.topologies = split(next());
-    else if (a == "--codec") o.codecs = split(next());
+    if (a == "--topology") o.topologies = lockstep::bench::split_list(next());
+    else if (a == "--codec") o.codecs = lockstep::bench::split_list(next());
     else if (a == "--ranks") {
       o.ranks.clear();
-      for (auto& s : split(next())) o.ranks.push_back(static_cast<int>(parse_size(s)));
+      for (auto& s : lockstep::bench::split_list(next())) o.ranks.push_back(static_cast<int>(parse_size(s)));
     } else if (a == "--bytes") {
       o.bytes.clear();
-      for (auto& s : split(next())) o.bytes.push_back(parse_size(s));
+      for (auto& s : lockstep::bench::split_list(next())) o.bytes.push_back(parse_size(s));
     } else if (a == "--gbit") o.cl.nic.bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--latency-us") o.cl.nic.latency_s = std::stod(next()) * 1e-6;
     else if (a == "--overhead-us") o.cl.nic.overhead_s = std::stod(next()) * 1e-6;

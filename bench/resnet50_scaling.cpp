@@ -36,18 +36,11 @@
 
 #include "resnet50_shapes.hpp"
 #include "sim_fit.hpp"
+#include "cli.hpp"
 
 namespace {
 
 using namespace lockstep;
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
 
 struct options {
   std::vector<int> ranks{1, 4, 16, 64, 256, 1024};
@@ -94,9 +87,9 @@ options parse(int argc, char** argv) {
     else if (a == "--batch") o.batch = std::stoi(next());
     else if (a == "--ranks") {
       o.ranks.clear();
-      for (auto& s : split(next())) o.ranks.push_back(std::stoi(s));
-    } else if (a == "--topology") o.topologies = split(next());
-    else if (a == "--codec") o.codecs = split(next());
+      for (auto& s : lockstep::bench::split_list(next())) o.ranks.push_back(std::stoi(s));
+    } else if (a == "--topology") o.topologies = lockstep::bench::split_list(next());
+    else if (a == "--codec") o.codecs = lockstep::bench::split_list(next());
     else if (a == "--bucket-mb") o.bucket_bytes = std::stod(next()) * 1024 * 1024;
     else if (a == "--gbit") o.cl.nic.bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--latency-us") o.cl.nic.latency_s = std::stod(next()) / 1e6;

@@ -45,6 +45,20 @@ options head_run(const std::string& out, int ranks, const std::string& parallel)
   return o;
 }
 
+// Trains `hy` and checks it against the data-parallel run `ref` whose final state is `a`: the
+// same losses and the same parameters and momentum (and running statistics, when `running`),
+// to fp32 rounding.
+void check_trains_like(const options& hy, const run_result& ref, const checkpoint& a, bool running) {
+  const run_result r = train_inproc(hy);
+  REQUIRE(r.epochs.size() == 1);
+  CHECK(rel(r.epochs[0].train_loss, ref.epochs[0].train_loss) < 1e-4);
+  CHECK(rel(r.epochs[0].test_loss, ref.epochs[0].test_loss) < 1e-4);
+  const checkpoint b = final_state(hy);
+  CHECK(max_abs_diff(a.params, b.params) < 1e-4 * max_abs(a.params));
+  CHECK(max_abs_diff(a.momentum, b.momentum) < 1e-4 * max_abs(a.momentum));
+  if (running) CHECK(max_abs_diff(a.running, b.running) < 1e-4 * max_abs(a.running));
+}
+
 }  // namespace
 
 TEST_CASE("with fp32 activations, hybrid a, b and c train the data-parallel model", "[fashion][hybrid]") {
@@ -58,14 +72,7 @@ TEST_CASE("with fp32 activations, hybrid a, b and c train the data-parallel mode
     for (const char* scheme : {"hybrid-a", "hybrid-b", "hybrid-c"}) {
       INFO(ranks << " ranks, " << scheme);
       const options hy = head_run(std::string(scheme) + std::to_string(ranks), ranks, scheme);
-      const run_result r = train_inproc(hy);
-      REQUIRE(r.epochs.size() == 1);
-      CHECK(rel(r.epochs[0].train_loss, ref.epochs[0].train_loss) < 1e-4);
-      CHECK(rel(r.epochs[0].test_loss, ref.epochs[0].test_loss) < 1e-4);
-      const checkpoint b = final_state(hy);
-      CHECK(max_abs_diff(a.params, b.params) < 1e-4 * max_abs(a.params));
-      CHECK(max_abs_diff(a.momentum, b.momentum) < 1e-4 * max_abs(a.momentum));
-      CHECK(max_abs_diff(a.running, b.running) < 1e-4 * max_abs(a.running));
+      check_trains_like(hy, ref, a, true);
     }
   }
 }
@@ -86,13 +93,7 @@ TEST_CASE("with LARS and fp32 activations, hybrid trains the data-parallel LARS 
       options hy = dp;
       hy.out = data_dir().dir + "/lars-" + scheme + std::to_string(ranks);
       hy.parallel = scheme;
-      const run_result r = train_inproc(hy);
-      REQUIRE(r.epochs.size() == 1);
-      CHECK(rel(r.epochs[0].train_loss, ref.epochs[0].train_loss) < 1e-4);
-      CHECK(rel(r.epochs[0].test_loss, ref.epochs[0].test_loss) < 1e-4);
-      const checkpoint b = final_state(hy);
-      CHECK(max_abs_diff(a.params, b.params) < 1e-4 * max_abs(a.params));
-      CHECK(max_abs_diff(a.momentum, b.momentum) < 1e-4 * max_abs(a.momentum));
+      check_trains_like(hy, ref, a, false);
     }
   }
 }
