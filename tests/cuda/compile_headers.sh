@@ -16,17 +16,17 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cuda_inc=$(dirname "$(dirname "$(command -v "$nvcc")")")/include
 mpi_flags=$(mpicxx --showme:compile 2>/dev/null || true)
-fail=0 count=0
+export inc cxx nvcc arch work cuda_inc mpi_flags
 
-cd "$inc" || exit 1
-for h in $(find lockstep -name '*.hpp' | sort); do
-  count=$((count + 1))
-  extra=""
-  case $h in lockstep/transport/mpi.hpp|lockstep/transport/mpi_p2p.hpp|lockstep/transport/routed.hpp) [ -n "$mpi_flags" ] || { echo "skip  $h (no mpicxx)"; continue; }; extra=$mpi_flags ;; esac
-  printf '#include <%s>\n#include <%s>\n' "$h" "$h" > "$work/one.cpp"   # twice: include guards work
-  cp "$work/one.cpp" "$work/one.cu"
+# One header, both compilers; prints its lines, exits 1 on a failure. Its own files: the headers
+# run two at a time (the machine's two cores; the test took 337 s one at a time).
+check_one() {
+  local h=$1 n=$2 extra="" out mode fail=0
+  case $h in lockstep/transport/mpi.hpp|lockstep/transport/mpi_p2p.hpp|lockstep/transport/routed.hpp) [ -n "$mpi_flags" ] || { echo "skip  $h (no mpicxx)"; return 0; }; extra=$mpi_flags ;; esac
+  printf '#include <%s>\n#include <%s>\n' "$h" "$h" > "$work/$n.cpp"   # twice: include guards work
+  cp "$work/$n.cpp" "$work/$n.cu"
 
-  if out=$("$cxx" -std=c++20 -fsyntax-only -Wall -Wextra -I"$inc" -I"$cuda_inc" $extra "$work/one.cpp" 2>&1); then
+  if out=$("$cxx" -std=c++20 -fsyntax-only -Wall -Wextra -I"$inc" -I"$cuda_inc" $extra "$work/$n.cpp" 2>&1); then
     echo "ok    g++   $h"
   elif grep -q "compile it with nvcc" <<<"$out"; then
     echo "ok    g++   $h (refuses: needs nvcc, as it should)"
@@ -38,11 +38,26 @@ for h in $(find lockstep -name '*.hpp' | sort); do
   # end (-cuda: parsing and host/device checks, about half the time), since g++ above already
   # compiled their host side. 49 headers took 18 min of full nvcc compiles on 2 busy cores.
   case $h in lockstep/device/*|lockstep/transport/inproc_device.hpp|lockstep/transport/nccl.hpp) mode="-c" ;; *) mode="-cuda" ;; esac
-  if out=$("$nvcc" -std=c++20 --expt-relaxed-constexpr -arch=sm_$arch -I"$inc" $extra $mode "$work/one.cu" -o "$work/one.o" 2>&1); then
+  if out=$("$nvcc" -std=c++20 --expt-relaxed-constexpr -arch=sm_$arch -I"$inc" $extra $mode "$work/$n.cu" -o "$work/$n.o" 2>&1); then
     echo "ok    nvcc  $h"
   else
     echo "FAIL  nvcc  $h"; echo "$out" | head -20; fail=1
   fi
+  return $fail
+}
+export -f check_one
+
+cd "$inc" || exit 1
+headers=$(find lockstep -name '*.hpp' | sort)
+count=$(wc -l <<<"$headers")
+# Each header's lines go to a file of their own and are printed in order afterwards.
+n=0
+for h in $headers; do n=$((n + 1)); echo "$n $h"; done |
+  xargs -P "${JOBS:-2}" -L 1 bash -c 'check_one "$2" "$1" > "$work/$1.log" 2>&1 || touch "$work/$1.failed"' _
+fail=0
+for i in $(seq 1 "$count"); do
+  cat "$work/$i.log"
+  [ -e "$work/$i.failed" ] && fail=1
 done
 echo "$count headers checked"
 exit $fail

@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -353,10 +354,38 @@ class routed {
     try {
       return f();
     } catch (const error& e) {
-      if (e.code() == errc::aborted && routes_->near && routes_->near->any_peer_failed()) far_.mark_failed(e.peer(), e.detail());
+      if (e.code() != errc::aborted || !routes_->near) throw;
+      if (!routes_->near->any_peer_failed() && !far_.aborted()) await_cause(e);
+      if (routes_->near->any_peer_failed()) far_.mark_failed(e.peer(), e.detail());
       throw;
     }
   }
+
+  // A peer on this node withdrew its message with no flag up: its call failed because it was
+  // told of a failure in another group of the family (it raises no flag of its own, being told),
+  // or it is about to say why. The cause is on its way (the origin's abort message over MPI, or
+  // the peer's flag) and is the error worth reporting, so look for it a short while: a bare
+  // "withdrew" names neither the failed rank nor its words. Throws the cause when one comes.
+  void await_cause(const error& withdrawn) {
+    const char* op = withdrawn.op().c_str();
+    const auto until = clock::now() + cause_grace;
+    do {
+      far_.poll_abort(op, withdrawn.peer(), true);  // throws the family's failure, marking this endpoint
+      if (routes_->near->any_peer_failed()) {
+        try {
+          routes_->near->throw_if_peer_failed(op, withdrawn.peer());
+        } catch (const error& flagged) {
+          far_.mark_failed(flagged.peer(), flagged.detail());
+          throw;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    } while (clock::now() < until);
+  }
+  // How long a withdrawal waits for its cause: an error path only, and the cause was sent before
+  // the withdrawal (executor: abort first, requests destroyed after), so it comes within
+  // milliseconds even on a loaded machine.
+  static constexpr std::chrono::milliseconds cause_grace{250};
 
   // What every wait for a receive does after a look that found it unfinished: is the sender's
   // process still there? A dead one cannot tell the group; this rank does it in its name. Not
