@@ -19,7 +19,7 @@ is torchrun with that fixed (docs/torch.md), the same options:
         samples/torch_ddp/train_ddp.py
 Options: --codec fp32|bf16|int8|dyntree8 (dyntree8), --topology ring|torus2d (torus2d),
 --no-error-feedback, --data DIR (/usr/share/datasets/fashion-mnist), --images N (all 60000),
---batch B per rank (64), --lr (0.01), --schedule constant|cosine (constant), --seed, --json.
+--batch B per rank (64), --lr (0.01), --schedule cosine|constant (cosine), --seed, --json.
 Prints per epoch: mean training loss and test accuracy (rank 0).
 
 Shapes (B = per-rank batch):
@@ -148,7 +148,7 @@ def main():
     ap.add_argument("--images", type=int, default=0, help="first N training images (0: all)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.01)
-    ap.add_argument("--schedule", choices=["constant", "cosine"], default="constant", help="learning rate over the run")
+    ap.add_argument("--schedule", choices=["constant", "cosine"], default="cosine", help="learning rate over the run")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
