@@ -1,6 +1,7 @@
 // tests/collective_matrix.hpp: the in-process collective matrix's runners, inputs and checks,
-// shared by tests/test_collective.cpp (over inproc, and every other collective case) and
-// tests/test_collective_stream.cpp (the same matrix over inproc_deferred). Two programs, so that
+// shared by tests/test_collective.cpp (over inproc, and every other collective case),
+// tests/test_collective_stream.cpp (the same matrix over inproc_deferred) and
+// tests/test_collective_v.cpp (per-rank counts; its runners and results from here). Two programs, so that
 // the two template-heavy matrices compile in parallel: under ASan one file of both took 12 minutes
 // of a core, the longest step of CI's sanitizer builds. What the matrix checks: test_collective.cpp.
 #pragma once
@@ -34,9 +35,11 @@ namespace {
 // Where the ranks run: host threads doing the work, or host threads enqueueing it on streams.
 // A minute's timeout: a message the matrix never matches (a step-tagged broadcast, say) fails the
 // case with the rank, peer and step instead of waiting out the default five minutes.
-inline group_options matrix_options() {
+// segment_bytes 0: the group's default.
+inline group_options matrix_options(std::size_t segment_bytes = 0) {
   group_options o;
   o.timeout = std::chrono::seconds(60);
+  o.segment_bytes = segment_bytes;
   return o;
 }
 struct on_host {

@@ -5,42 +5,14 @@
 // to be cut into several segments. fp32 is exact on integer inputs; lossy codecs stay within the
 // bounds of tests/collective_bounds.hpp (an all-gather quantises each value once). Every rank ends
 // with the same bits. Ranks handed different counts fail with errc::mismatch within seconds.
-#include <lockstep/lockstep.hpp>
+#include "collective_matrix.hpp"
 
-#include "collective_bounds.hpp"
-#include "thread_safe_catch.hpp"
-
-#include <cmath>
-#include <cstring>
-#include <mutex>
 #include <numeric>
-#include <vector>
-
-using namespace lockstep;
-using lockstep_test::exact;
-using lockstep_test::hops;
-using namespace std::chrono_literals;
-using inproc_group = group<transport::inproc>;
 
 namespace {
 
-group_options matrix_options(std::size_t segment_bytes = 0) {
-  group_options o;
-  o.timeout = std::chrono::seconds(60);
-  o.segment_bytes = segment_bytes;
-  return o;
-}
-struct on_host {
-  template <class F>
-  static void run(int n, F&& f, group_options opt) { run_inproc(n, std::forward<F>(f), opt); }
-};
-struct on_stream {
-  template <class F>
-  static void run(int n, F&& f, group_options opt) { run_inproc_deferred(n, std::forward<F>(f), opt); }
-};
-
 // Integers in [-8, 8] for exact fp32 checks, else uniform in [-1, 1): seeded by (rank, index).
-float input(int rank, std::size_t i, bool integer) {
+float uniform_input(int rank, std::size_t i, bool integer) {
   std::uint64_t z = (i + 1) * 0x9e3779b97f4a7c15ull ^ (static_cast<std::uint64_t>(rank) + 7) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -55,18 +27,8 @@ std::vector<std::size_t> offsets_of(const std::vector<std::size_t>& counts) {
   return off;
 }
 
-struct results {
-  std::mutex m;
-  std::vector<std::vector<float>> per_rank;
-  explicit results(int n) : per_rank(static_cast<std::size_t>(n)) {}
-  void put(int r, std::vector<float> v) {
-    std::lock_guard lk(m);
-    per_rank[static_cast<std::size_t>(r)] = std::move(v);
-  }
-};
-
 template <class C>
-void check_close(const std::vector<float>& y, const std::vector<double>& ref, double bound, const char* what) {
+void check_within(const std::vector<float>& y, const std::vector<double>& ref, double bound, const char* what) {
   REQUIRE(y.size() == ref.size());
   for (std::size_t i = 0; i < y.size(); ++i) {
     if constexpr (exact<C>) {
@@ -86,7 +48,7 @@ void all_gather_v_case(const T& topo, const std::vector<std::size_t>& counts, gr
   Run::run(n, [&](auto& g) {
     const auto r = static_cast<std::size_t>(g.rank());
     std::vector<float> in(counts[r]), o(off.back(), -1.0f);
-    for (std::size_t k = 0; k < in.size(); ++k) in[k] = input(g.rank(), k, integer);
+    for (std::size_t k = 0; k < in.size(); ++k) in[k] = uniform_input(g.rank(), k, integer);
     C c{};
     all_gather_v(g, std::span<const float>(in), std::span<float>(o), std::span<const std::size_t>(counts), topo, c);
     out.put(g.rank(), std::move(o));
@@ -95,10 +57,10 @@ void all_gather_v_case(const T& topo, const std::vector<std::size_t>& counts, gr
   double mx = 1;
   for (int r = 0; r < n; ++r)
     for (std::size_t k = 0; k < counts[static_cast<std::size_t>(r)]; ++k) {
-      ref[off[static_cast<std::size_t>(r)] + k] = input(r, k, integer);
+      ref[off[static_cast<std::size_t>(r)] + k] = uniform_input(r, k, integer);
       mx = std::max(mx, std::abs(ref[off[static_cast<std::size_t>(r)] + k]));
     }
-  check_close<C>(out.per_rank[0], ref, lockstep_test::error_factor<C>(1, 1) * mx + 1e-6 * mx, "all_gather_v");
+  check_within<C>(out.per_rank[0], ref, lockstep_test::error_factor<C>(1, 1) * mx + 1e-6 * mx, "all_gather_v");
   for (int r = 1; r < n; ++r)
     REQUIRE((ref.empty() || std::memcmp(out.per_rank[0].data(), out.per_rank[static_cast<std::size_t>(r)].data(),
                                         ref.size() * sizeof(float)) == 0));
@@ -113,7 +75,7 @@ void reduce_scatter_v_case(const T& topo, const std::vector<std::size_t>& counts
   Run::run(n, [&](auto& g) {
     const auto r = static_cast<std::size_t>(g.rank());
     std::vector<float> in(off.back()), o(counts[r], -1.0f);
-    for (std::size_t i = 0; i < in.size(); ++i) in[i] = input(g.rank(), i, integer);
+    for (std::size_t i = 0; i < in.size(); ++i) in[i] = uniform_input(g.rank(), i, integer);
     const auto copy = in;
     C c{};
     reduce_scatter_v(g, std::span<const float>(in), std::span<float>(o), std::span<const std::size_t>(counts), topo, c, op);
@@ -127,7 +89,7 @@ void reduce_scatter_v_case(const T& topo, const std::vector<std::size_t>& counts
     for (std::size_t k = 0; k < counts[rr]; ++k) {
       double a = 0;
       for (int q = 0; q < n; ++q) {
-        const float x = input(q, off[rr] + k, integer);
+        const float x = uniform_input(q, off[rr] + k, integer);
         ref[k] += x, a += std::abs(x);
       }
       if (op == reduce_op::average) ref[k] = static_cast<float>(static_cast<float>(ref[k]) / static_cast<float>(n));
@@ -135,7 +97,7 @@ void reduce_scatter_v_case(const T& topo, const std::vector<std::size_t>& counts
     }
     const double scale = op == reduce_op::average ? 1.0 / n : 1.0;
     const double bound = (lockstep_test::error_factor<C>(hops(topo, n) + 1, lockstep_test::quantisations(topo, n)) * (codec::feedback_codec<C> ? 2 : 1) + n * 1e-6) * mx * scale;
-    check_close<C>(out.per_rank[rr], ref, bound, "reduce_scatter_v");
+    check_within<C>(out.per_rank[rr], ref, bound, "reduce_scatter_v");
   }
 }
 
