@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 namespace lockstep_test {
 
@@ -101,6 +102,25 @@ double error_factor(int depth, int n) {
 template <class C>
 double proven_error_factor(int depth, int n) {
   return error_factor<C>(depth, n) * std::pow(1 + delta<C>(), n - 1);
+}
+
+// The all_reduce reference in fp64: ref[i] = sum over ranks of input(r, i) (an average is rounded
+// as the library rounds it, sum / n in fp32), and m = max over i of sum over ranks of |input(r, i)|,
+// the M every bound above multiplies.
+struct all_reduce_reference {
+  std::vector<double> ref;
+  double m = 0;
+};
+template <class Input>
+all_reduce_reference reference_all_reduce(int n, std::size_t count, bool average, Input&& input) {
+  all_reduce_reference out{std::vector<double>(count, 0.0), 0.0};
+  for (std::size_t i = 0; i < count; ++i) {
+    double a = 0;
+    for (int r = 0; r < n; ++r) out.ref[i] += input(r, i), a += std::abs(input(r, i));
+    if (average) out.ref[i] = static_cast<float>(static_cast<float>(out.ref[i]) / static_cast<float>(n));
+    out.m = std::max(out.m, a);
+  }
+  return out;
 }
 
 }  // namespace lockstep_test

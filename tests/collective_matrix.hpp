@@ -117,14 +117,8 @@ void all_reduce_case(const T& topo, int n, std::size_t count, reduce_op op) {
     all_reduce(g, std::span<float>(v), topo, c, op);
     out.put(g.rank(), std::move(v));
   });
-  std::vector<double> ref(count, 0.0);
-  double m = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    double a = 0;
-    for (int r = 0; r < n; ++r) ref[i] += input(r, i, integer), a += std::abs(input(r, i, integer));
-    if (op == reduce_op::average) ref[i] = static_cast<float>(static_cast<float>(ref[i]) / static_cast<float>(n));
-    m = std::max(m, a);
-  }
+  const auto [ref, m] = lockstep_test::reference_all_reduce(n, count, op == reduce_op::average,
+                                                           [&](int r, std::size_t i) { return input(r, i, integer); });
   check_close<C>(out.per_rank[0], ref, m, hops(topo, n), n, op == reduce_op::average ? 1.0 / n : 1.0,
                  lockstep_test::quantisations(topo, n));
   for (int r = 1; r < n; ++r)  // (memcmp of no bytes may not be handed the null data() of empty vectors)

@@ -89,14 +89,8 @@ void all_reduce_case(mpi_group& g, const T& topo, std::size_t count, reduce_op o
   for (std::size_t i = 0; i < count; ++i) v[i] = input(g.rank(), i, integer);
   C c{};
   all_reduce(g, std::span<float>(v), topo, c, op);
-  std::vector<double> ref(count, 0.0);
-  double m = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    double a = 0;
-    for (int r = 0; r < n; ++r) ref[i] += input(r, i, integer), a += std::abs(input(r, i, integer));
-    if (op == reduce_op::average) ref[i] = static_cast<float>(static_cast<float>(ref[i]) / static_cast<float>(n));
-    m = std::max(m, a);
-  }
+  const auto [ref, m] = lockstep_test::reference_all_reduce(n, count, op == reduce_op::average,
+                                                           [&](int r, std::size_t i) { return input(r, i, integer); });
   INFO("all_reduce " << (op == reduce_op::sum ? "sum" : "average"));
   CHECK(check_close<C>(v.data(), ref, m, hops(topo, n), lockstep_test::quantisations(topo, n),
                        op == reduce_op::average ? 1.0 / n : 1.0) == "");
