@@ -1,8 +1,10 @@
 """lockstep_torch: lockstep's compressed all-reduce inside PyTorch.
 
-A DDP communication hook and a plain all_reduce over any torch.distributed process group (Gloo on
-CPU), running lockstep's topologies (ring, torus2d) and codecs (fp32, bf16, int8, dyntree8) over
-the group's own point-to-point send/recv: no MPI, the ranks and the rendezvous are torch's.
+A DDP communication hook and a plain all_reduce over any torch.distributed process group, running
+lockstep's topologies (ring, torus2d) and codecs (fp32, bf16, int8, dyntree8): CPU tensors over the
+group's own point-to-point send/recv (Gloo), CUDA tensors with lockstep's device executor over an
+NCCL communicator whose id travels over the group (NCCL's own all-reduce cannot compress). No MPI:
+the ranks and the rendezvous are torch's.
 
     import lockstep_torch
     state = lockstep_torch.State(process_group=None, codec="dyntree8", error_feedback=True, topology="torus2d")
@@ -12,7 +14,7 @@ the group's own point-to-point send/recv: no MPI, the ranks and the rendezvous a
 
 Every rank must create its States (and make its first all_reduce call on a group) in the same
 order: each gets a tag channel of the process group in creation order, as new_group numbers its
-groups. Bad use raises lockstep_torch.Error (a RuntimeError) with lockstep's message, naming the
+groups (a CUDA State joins a communicator of its own, also a collective call). Bad use raises lockstep_torch.Error (a RuntimeError) with lockstep's message, naming the
 rank (and the peer, where one is involved); a peer that never answers is a timeout after
 `timeout` seconds (default 300), never a hang. docs/torch.md has the details.
 """
@@ -33,6 +35,7 @@ topologies = ("ring", "torus2d")  # and "torus2d:RxC" for a given shape
 _lock = _threading.Lock()
 _channels = {}       # process group -> channels given out so far
 _plain_engines = {}  # process group -> the engine of lockstep_torch.all_reduce
+_plain_cuda_engines = {}  # (process group, device index) -> the CUDA engine of lockstep_torch.all_reduce
 
 
 def _group_of(process_group):
@@ -59,6 +62,53 @@ def _engine(process_group, timeout, segment_bytes=0):
         return engine
 
 
+def _cuda_device(device, rank):
+    """The index of a CUDA device, or an Error saying why CUDA buckets cannot run here."""
+    where = f"lockstep: lockstep_torch on rank {rank}: invalid argument"
+    if not getattr(_C, "has_cuda", False):
+        raise Error(f"{where}: this build has no CUDA buckets (nvcc and NCCL were not found when it was built)")
+    ok, why = _C.cuda_available()
+    if not ok:
+        raise Error(f"{where}: CUDA buckets need a GPU, and none is visible ({why})")
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _agree(process_group, settings, payload=b"", device=None):
+    """One all-gather over the group (a collective call): returns rank 0's payload (at most 128
+    bytes, zero-padded to 128) on every rank, after checking that every rank passed the same settings; where they
+    differ, every rank raises an Error naming both sides. The tensors are on `device` over NCCL,
+    on the CPU otherwise."""
+    rank, size = process_group.rank(), process_group.size()
+    text = settings.encode()
+    if len(payload) > 128 or len(text) > 127:
+        raise Error(f"lockstep: lockstep_torch on rank {rank}: invalid argument: settings too long to agree on")
+    row = bytearray(256)
+    row[:len(payload)] = payload
+    row[128:128 + len(text)] = text
+    nccl = dist.get_backend(process_group) == "nccl"
+    on = device if nccl else torch.device("cpu")
+    mine = torch.tensor(list(row), dtype=torch.uint8, device=on)
+    rows = [torch.empty_like(mine) for _ in range(size)]
+    process_group.allgather([rows], [mine]).wait()
+    rows = [bytes(r.cpu().tolist()) for r in rows]
+    for peer, r in enumerate(rows):
+        other = r[128:].rstrip(b"\0").decode(errors="replace")
+        if other != settings:
+            raise Error(f"lockstep: lockstep_torch on rank {rank} (peer {peer}): mismatch: settings differ: "
+                        f"rank {rank} has '{settings}', rank {peer} has '{other}'")
+    return rows[0][:128]
+
+
+def _cuda_engine(process_group, device_index, timeout, settings):
+    """Joins a lockstep CUDA engine on every rank of the group (a collective call): rank 0's NCCL
+    id travels with the settings check (_agree)."""
+    rank, size = process_group.rank(), process_group.size()
+    uid = _C.cuda_unique_id() if rank == 0 else b""
+    uid = _agree(process_group, settings, uid, torch.device("cuda", device_index))
+    return _C.CudaEngine(uid, rank, size, device_index, _seconds(timeout))
+
+
 class State:
     """The state of lockstep's DDP hook: its group over the process group, its settings, and the
     error-feedback residuals of every bucket (by bucket index).
@@ -68,10 +118,14 @@ class State:
     codec: fp32, bf16, int8 or dyntree8; topology: ring, torus2d or torus2d:RxC; error_feedback
     is ignored for fp32 (lossless); timeout in seconds (or a timedelta) bounds every wait;
     segment_bytes is the pipelining unit of large buckets (0: 1 MiB); ranks must agree on it.
+    device: where the model's buckets are, "cpu" or "cuda[:N]"; None: "cuda" (the current device)
+    over an NCCL process group, else "cpu". A CUDA State reduces its buckets in the order of
+    torch's current stream, on a communicator of its own (its settings are checked across the
+    ranks when it is made); segment_bytes does not apply there (a chunk is one message).
     """
 
     def __init__(self, process_group=None, codec="dyntree8", error_feedback=True, topology="torus2d",
-                 timeout=300.0, segment_bytes=0):
+                 timeout=300.0, segment_bytes=0, device=None):
         self.process_group = _group_of(process_group)
         self.codec = codec
         self.error_feedback = bool(error_feedback)
@@ -79,12 +133,28 @@ class State:
         self.iteration = 0
         # Names and the torus shape are checked now, not in backward.
         _C.check_settings(codec, topology, self.process_group.rank(), self.process_group.size())
-        self._engine = _engine(self.process_group, timeout, segment_bytes)
+        if device is None:
+            device = "cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            index = _cuda_device(self.device, self.process_group.rank())
+            self.device = torch.device("cuda", index)
+            settings = f"{codec} {topology} ef={int(self.error_feedback)}"
+            self._engine = _cuda_engine(self.process_group, index, timeout, settings)
+        elif self.device.type == "cpu":
+            self._engine = _engine(self.process_group, timeout, segment_bytes)
+        else:
+            raise Error(f"lockstep_torch: State for buckets on '{device}': cpu or cuda")
 
     def reduce_bucket(self, tensor, bucket_index, done):
-        """Starts the averaging all-reduce of one bucket; done(None) or done(message) follows."""
+        """Starts the averaging all-reduce of one bucket; done(None) or done(message) follows (at
+        once for a CUDA bucket: its reduction is then queued on torch's current stream)."""
         index = bucket_index if (self.error_feedback and self.iteration > 0) else -1
-        self._engine.reduce_bucket_async(tensor, self.codec, self.topology, index, done)
+        if self.device.type == "cuda":
+            self._engine.reduce_bucket(tensor, _stream_of(tensor), self.codec, self.topology, index)
+            done(None)
+        else:
+            self._engine.reduce_bucket_async(tensor, self.codec, self.topology, index, done)
 
     def synchronize(self):
         """Waits until every bucket started so far has been reduced."""
@@ -99,11 +169,23 @@ class State:
         self._engine.reset_buckets()
 
 
+def _stream_of(tensor):
+    if not tensor.is_cuda:
+        raise Error(f"lockstep: allreduce_hook: invalid argument: tensor on {tensor.device}: this State reduces "
+                    "CUDA buckets (make it with device='cpu' for a CPU model)")
+    return torch.cuda.current_stream(tensor.device).cuda_stream
+
+
 def allreduce_hook(state, bucket):
     """DDP communication hook: averages the bucket with lockstep's all-reduce (state's codec and
-    topology) on lockstep's worker thread; the returned future completes when it is done."""
+    topology). CPU buckets: on lockstep's worker thread, the returned future completes when it is
+    done. CUDA buckets: queued on torch's current stream, and the future is complete at once, as
+    NCCL's are (what reads the bucket after it on that stream sees the reduced values)."""
     tensor = bucket.buffer()
-    fut = torch.futures.Future()
+    if state.device.type == "cuda":
+        fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+    else:
+        fut = torch.futures.Future()
 
     def done(message):
         if message is None:
@@ -118,10 +200,23 @@ def allreduce_hook(state, bucket):
 
 
 def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", timeout=300.0):
-    """Reduces a contiguous float32 CPU tensor in place over `group` (default: the world) with
+    """Reduces a contiguous float32 tensor in place over `group` (default: the world) with
     lockstep's codec and topology; op is "sum" or "average". Returns the tensor. The first call on
-    a group takes its channel (see the module's note on order); `timeout` applies from then on."""
+    a group takes its channel (see the module's note on order); `timeout` applies from then on.
+    A CUDA tensor is reduced in the order of torch's current stream (the first call on a group and
+    device joins a communicator, on every rank); as with NCCL's all_reduce, its count is not
+    checked across the ranks."""
     pg = _group_of(group)
+    if tensor.is_cuda:
+        index = _cuda_device(tensor.device, pg.rank())
+        with _lock:
+            engine = _plain_cuda_engines.get((pg, index))
+        if engine is None:
+            engine = _cuda_engine(pg, index, timeout, "all_reduce")
+            with _lock:
+                _plain_cuda_engines[(pg, index)] = engine
+        engine.all_reduce(tensor, torch.cuda.current_stream(tensor.device).cuda_stream, codec, topology, op)
+        return tensor
     with _lock:
         engine = _plain_engines.get(pg)
     if engine is None:

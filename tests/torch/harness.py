@@ -4,7 +4,7 @@ Gloo over a FileStore in a fresh temporary folder, so concurrent runs never shar
 A test file calls skip_without_torch() first: without torch or a built lockstep_torch it exits 77,
 which Meson reports as skipped. spawn(body, world, *args) runs body(rank, world, *args) in every
 rank after init_process_group and fails (raises) when any rank raised; each rank's return value is
-written back and returned as a list.
+written back and returned as a list. backend="nccl" puts rank r on GPU r.
 """
 import os
 import pickle
@@ -27,20 +27,22 @@ def skip_without_torch():
         sys.exit(SKIP)
 
 
-def _entry(rank, world, folder, body, args):
+def _entry(rank, world, folder, body, args, backend):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=world)
     out = body(rank, world, *args)
     with open(os.path.join(folder, f"result.{rank}"), "wb") as f:
         pickle.dump(out, f)
 
 
-def spawn(body, world, *args):
+def spawn(body, world, *args, backend="gloo"):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="lockstep_torch_") as folder:
-        mp.spawn(_entry, args=(world, folder, body, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, folder, body, args, backend), nprocs=world, join=True)
         results = []
         for r in range(world):
             with open(os.path.join(folder, f"result.{r}"), "rb") as f:

@@ -35,15 +35,18 @@ def batches(torch, rank):
     return xs, ys
 
 
-def train(torch, rank, state, hook):
+def train(torch, rank, state, hook, device="cpu"):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     dist._DEFAULT_FIRST_BUCKET_BYTES = 8192  # DDP's knob for its first bucket (1 MiB by default)
-    model = DDP(make_model(torch), bucket_cap_mb=0.008)
+    device = torch.device(device)
+    ids = [device.index] if device.type == "cuda" else None
+    model = DDP(make_model(torch).to(device), device_ids=ids, bucket_cap_mb=0.008)
     if state is not None:
         model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     xs, ys = batches(torch, rank)
+    xs, ys = xs.to(device), ys.to(device)
     losses = []
     for step in range(STEPS):
         loss = torch.nn.functional.cross_entropy(model(xs[step]), ys[step])

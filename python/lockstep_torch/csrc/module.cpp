@@ -15,93 +15,21 @@
 #include <chrono>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
-#include <variant>
 #include <vector>
 
-#include <lockstep/codec.hpp>
-#include <lockstep/collective.hpp>
-#include <lockstep/topology.hpp>
-
 #include "c10d_transport.hpp"
+#include "policies.hpp"
+#if LOCKSTEP_TORCH_CUDA
+#include "cuda_engine.hpp"
+#endif
 
 namespace py = pybind11;
 
 namespace lockstep_torch {
 
-namespace ls = lockstep;
 using group_t = ls::group<c10d_transport>;
-
-// ---- names -> policies ---------------------------------------------------------------------------
-
-enum class codec_kind { fp32, bf16, int8, dyntree8 };
-
-inline codec_kind parse_codec(const std::string& name, int rank) {
-  if (name == "fp32") return codec_kind::fp32;
-  if (name == "bf16") return codec_kind::bf16;
-  if (name == "int8") return codec_kind::int8;
-  if (name == "dyntree8") return codec_kind::dyntree8;
-  throw ls::error(ls::errc::invalid_argument, "lockstep_torch", rank, -1,
-                  "unknown codec '" + name + "' (fp32, bf16, int8, dyntree8)");
-}
-
-// "ring", "torus2d" (the most square shape) or "torus2d:RxC".
-struct topology_spec {
-  bool torus = false;
-  int rows = 0, cols = 0;
-};
-
-inline topology_spec parse_topology(const std::string& name, int rank, int size) {
-  if (name == "ring") return {};
-  if (name == "torus2d") return {true, 0, 0};
-  int r = 0, c = 0;
-  char x = 0, end = 0;
-  if (name.rfind("torus2d:", 0) == 0 && std::sscanf(name.c_str() + 8, "%d%c%d%c", &r, &x, &c, &end) == 3 && x == 'x') {
-    ls::topology::torus2d{r, c}.validate(size, rank);  // a shape that does not fit the group throws here
-    return {true, r, c};
-  }
-  throw ls::error(ls::errc::invalid_argument, "lockstep_torch", rank, -1,
-                  "unknown topology '" + name + "' (ring, torus2d, torus2d:RxC)");
-}
-
-template <class F>
-void with_topology(const topology_spec& t, F&& f) {
-  if (t.torus) f(ls::topology::torus2d{t.rows, t.cols});
-  else f(ls::topology::ring{});
-}
-
-template <class F>
-void with_codec(codec_kind k, F&& f) {
-  switch (k) {
-    case codec_kind::fp32: f(ls::codec::fp32{}); return;
-    case codec_kind::bf16: f(ls::codec::bf16{}); return;
-    case codec_kind::int8: f(ls::codec::int8{}); return;
-    case codec_kind::dyntree8: f(ls::codec::dyntree8{}); return;
-  }
-}
-
-// The error-feedback state of one DDP bucket: the codec object that holds its residuals.
-using feedback = std::variant<std::monostate, ls::codec::error_feedback<ls::codec::bf16>,
-                              ls::codec::error_feedback<ls::codec::int8>, ls::codec::error_feedback<ls::codec::dyntree8>>;
-
-inline feedback make_feedback(codec_kind k) {
-  switch (k) {
-    case codec_kind::fp32: return std::monostate{};  // lossless: nothing to feed back
-    case codec_kind::bf16: return ls::codec::error_feedback<ls::codec::bf16>{};
-    case codec_kind::int8: return ls::codec::error_feedback<ls::codec::int8>{};
-    case codec_kind::dyntree8: return ls::codec::error_feedback<ls::codec::dyntree8>{};
-  }
-  return std::monostate{};
-}
-
-struct bucket_state {
-  std::size_t count = 0;
-  const float* address = nullptr;  // where its residuals are keyed
-  codec_kind codec = codec_kind::fp32;
-  feedback ef;
-};
 
 // A Python callable held by C++ threads: its reference is dropped with the GIL held.
 struct py_callback {
@@ -142,11 +70,11 @@ class engine {
   void all_reduce(at::Tensor t, const std::string& codec, const std::string& topology, const std::string& op) {
     const codec_kind ck = parse_codec(codec, rank());
     const topology_spec ts = parse_topology(topology, rank(), size());
-    const ls::reduce_op rop = parse_op(op);
+    const ls::reduce_op rop = parse_op(op, rank());
     std::span<float> buf = checked_span(t, "all_reduce");
     py::gil_scoped_release nogil;
     with_topology(ts, [&](const auto& topo) {
-      with_codec(ck, [&](auto c) { ls::all_reduce(*g_, buf, topo, c, rop); });
+      codecs_.with(ck, [&](auto& c) { ls::all_reduce(*g_, buf, topo, c, rop); });
     });
   }
 
@@ -157,15 +85,18 @@ class engine {
     const codec_kind ck = parse_codec(codec, rank());
     const topology_spec ts = parse_topology(topology, rank(), size());
     std::span<float> buf = checked_span(t, "allreduce_hook");
-    bucket_state* bs = bucket_index >= 0 && ck != codec_kind::fp32 ? bucket(bucket_index, ck, buf.size()) : nullptr;
+    bucket_state* bs =
+        bucket_index >= 0 && ck != codec_kind::fp32 ? buckets_.bucket(bucket_index, ck, buf.size(), rank()) : nullptr;
     auto cb = std::make_shared<py_callback>(std::move(done));
     group_t* g = g_.get();
-    auto task = [g, t, buf, ck, ts, bs, cb]() {
+    codecs* cs = &codecs_;
+    auto task = [g, t, buf, ck, ts, bs, cb, cs]() {
       std::string failure;
       try {
         with_topology(ts, [&](const auto& topo) {
-          if (bs) run_with_feedback(*g, *bs, buf, topo);
-          else with_codec(ck, [&](auto c) { ls::all_reduce(*g, buf, topo, c, ls::reduce_op::average); });
+          auto run = [&](auto& c) { ls::all_reduce(*g, buf, topo, c, ls::reduce_op::average); };
+          if (bs) bucket_table::with_feedback(*g, *bs, buf, run);
+          else cs->with(ck, run);
         });
       } catch (const std::exception& e) {
         failure = e.what();
@@ -190,15 +121,9 @@ class engine {
   }
 
   // How many buckets keep residuals, and their element counts (for tests and logs).
-  std::map<int, std::size_t> buckets() {
-    std::lock_guard lk(m_);
-    std::map<int, std::size_t> out;
-    for (const auto& [k, b] : buckets_) out[k] = b.count;
-    return out;
-  }
+  std::map<int, std::size_t> buckets() { return buckets_.counts(); }
   void reset_buckets() {
     synchronize();
-    std::lock_guard lk(m_);
     buckets_.clear();
   }
 
@@ -211,12 +136,6 @@ class engine {
     o.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000.0 + 0.5));
     o.segment_bytes = segment_bytes;  // 0: the transport's 1 MiB
     return o;
-  }
-
-  ls::reduce_op parse_op(const std::string& op) const {
-    if (op == "sum") return ls::reduce_op::sum;
-    if (op == "average" || op == "avg" || op == "mean") return ls::reduce_op::average;
-    throw ls::error(ls::errc::invalid_argument, "lockstep_torch", rank(), -1, "unknown op '" + op + "' (sum, average)");
   }
 
   std::span<float> checked_span(const at::Tensor& t, const char* what) const {
@@ -233,53 +152,9 @@ class engine {
     return {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())};
   }
 
-  // The state of bucket `index`, made on first use; its size may not change afterwards.
-  bucket_state* bucket(int index, codec_kind ck, std::size_t count) {
-    std::lock_guard lk(m_);
-    auto [it, fresh] = buckets_.try_emplace(index);
-    bucket_state& b = it->second;
-    if (fresh) {
-      b.count = count;
-      b.codec = ck;
-      b.ef = make_feedback(ck);
-    } else if (b.count != count) {
-      throw ls::error(ls::errc::invalid_argument, "allreduce_hook", rank(), -1,
-                      "bucket " + std::to_string(index) + " held " + std::to_string(b.count) + " elements and now holds " +
-                          std::to_string(count) +
-                          ": its error-feedback residuals no longer line up (buckets may only be rebuilt before "
-                          "error feedback starts, i.e. in DDP's first iteration; call state.reset() after changing them)");
-    } else if (b.codec != ck) {
-      b.codec = ck;
-      b.ef = make_feedback(ck);
-      b.address = nullptr;
-    }
-    return &b;
-  }
-
-  // Runs the all-reduce with bucket `b`'s error-feedback codec. A bucket that moved in memory
-  // carries its residuals to its new address first (they are keyed by address).
-  template <class Topo>
-  static void run_with_feedback(group_t& g, bucket_state& b, std::span<float> buf, const Topo& topo) {
-    std::visit(
-        [&](auto& ef) {
-          if constexpr (!std::is_same_v<std::decay_t<decltype(ef)>, std::monostate>) {
-            if (b.address && b.address != buf.data()) {
-              ls::space::host h;
-              std::vector<float> saved(ef.state_floats(buf.size()));
-              ef.save(std::span<const float>(b.address, buf.size()), saved.data(), h);
-              ef.forget(b.address);
-              ef.load(std::span<const float>(buf.data(), buf.size()), saved.data(), h);
-            }
-            b.address = buf.data();
-            ls::all_reduce(g, buf, topo, ef, ls::reduce_op::average);
-          }
-        },
-        b.ef);
-  }
-
   std::unique_ptr<group_t> g_;
-  std::mutex m_;
-  std::map<int, bucket_state> buckets_;  // (DDP bucket index)
+  codecs codecs_;
+  bucket_table buckets_;
 };
 
 // The transport alone, for its tests: sends `send_bytes` (byte i = i mod 251) to `peer` and
@@ -300,6 +175,21 @@ inline void exchange(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel, int
     if (in[i] != static_cast<std::byte>(i % 251))
       throw ls::error(ls::errc::transport, "exchange", t.rank(), peer, "byte " + std::to_string(i) + " differs");
 }
+
+#if LOCKSTEP_TORCH_CUDA
+// A CUDA bucket for cuda::engine: a contiguous float32 tensor on the engine's GPU, as its address.
+inline std::uintptr_t cuda_address(const cuda::engine& e, const at::Tensor& t, const char* what) {
+  auto bad = [&](const std::string& why) { return ls::error(ls::errc::invalid_argument, what, e.rank(), -1, why); };
+  if (!t.defined()) throw bad("undefined tensor");
+  if (t.scalar_type() != at::kFloat)
+    throw bad(std::string("lockstep reduces float32 tensors; this one is ") + std::string(c10::toString(t.scalar_type())));
+  if (!t.device().is_cuda() || t.device().index() != e.device())
+    throw bad("tensor on " + t.device().str() + ": this engine reduces tensors on cuda:" + std::to_string(e.device()));
+  if (!t.is_contiguous()) throw bad("tensor is not contiguous");
+  if (t.is_sparse()) throw bad("sparse tensor");
+  return reinterpret_cast<std::uintptr_t>(t.data_ptr());
+}
+#endif
 
 }  // namespace lockstep_torch
 
@@ -338,4 +228,54 @@ PYBIND11_MODULE(_C, m) {
   m.def("_exchange", &lockstep_torch::exchange, py::arg("process_group"), py::arg("channel"), py::arg("peer"),
         py::arg("tag"), py::arg("send_bytes"), py::arg("recv_bytes"), py::arg("timeout"));
   m.attr("max_channels") = lockstep_torch::c10d_transport::max_channels;
+#if LOCKSTEP_TORCH_CUDA
+  // CUDA buckets: lockstep's device executor over an NCCL communicator of its own (cuda_engine.hpp).
+  using engine_handle = lockstep_torch::cuda::engine;
+  m.attr("has_cuda") = true;
+  m.def("cuda_available", [] {
+    std::string why;
+    const bool ok = lockstep_torch::cuda::available(why);
+    return py::make_tuple(ok, why);
+  });
+  m.def("cuda_unique_id", [] { return py::bytes(lockstep_torch::cuda::unique_id()); });
+  py::class_<engine_handle>(m, "CudaEngine")
+      .def(py::init([](py::bytes id, int rank, int size, int device, double timeout) {
+             std::string raw = id;
+             py::gil_scoped_release nogil;  // joining the communicator waits for every rank
+             return std::make_unique<engine_handle>(raw, rank, size, device, timeout);
+           }),
+           py::arg("nccl_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout"))
+      .def_property_readonly("rank", &engine_handle::rank)
+      .def_property_readonly("size", &engine_handle::size)
+      .def_property_readonly("device", &engine_handle::device)
+      .def_property_readonly("name", &engine_handle::name)
+      .def_property_readonly("timeout", &engine_handle::timeout)
+      .def("all_reduce",
+           [](engine_handle& e, at::Tensor t, std::uintptr_t stream, const std::string& codec, const std::string& topology,
+              const std::string& op) {
+             const std::uintptr_t p = lockstep_torch::cuda_address(e, t, "all_reduce");
+             py::gil_scoped_release nogil;
+             e.all_reduce(p, static_cast<std::size_t>(t.numel()), stream, codec, topology, op);
+           },
+           py::arg("tensor"), py::arg("stream"), py::arg("codec"), py::arg("topology"), py::arg("op"))
+      .def("reduce_bucket",
+           [](engine_handle& e, at::Tensor t, std::uintptr_t stream, const std::string& codec, const std::string& topology,
+              int bucket_index) {
+             const std::uintptr_t p = lockstep_torch::cuda_address(e, t, "allreduce_hook");
+             py::gil_scoped_release nogil;
+             e.reduce_bucket(p, static_cast<std::size_t>(t.numel()), stream, codec, topology, bucket_index);
+           },
+           py::arg("tensor"), py::arg("stream"), py::arg("codec"), py::arg("topology"), py::arg("bucket_index"))
+      .def("synchronize", [](engine_handle& e) {
+        py::gil_scoped_release nogil;
+        e.synchronize();
+      })
+      .def("buckets", &engine_handle::buckets)
+      .def("reset_buckets", [](engine_handle& e) {
+        py::gil_scoped_release nogil;
+        e.reset_buckets();
+      });
+#else
+  m.attr("has_cuda") = false;
+#endif
 }
