@@ -45,18 +45,32 @@ ls::group_options quick(std::chrono::milliseconds timeout = std::chrono::seconds
   return o;
 }
 
-// n ranks of the stream engine, each with a host_stream standing for torch's current stream.
+// n ranks of the stream engine, each with a host_stream standing for torch's current stream. The
+// streams' own bound on a wait is the group's timeout unless stream_limit says otherwise. An engine
+// that failed leaves its streams failed too, as an aborted communicator's would be: their errors
+// are then the engine's, already reported.
 template <class F>
-void run_engines(int n, F&& f, ls::group_options opt = quick()) {
+void run_engines(int n, F&& f, ls::group_options opt = quick(), std::chrono::milliseconds stream_limit = {}) {
   auto world = ls::transport::inproc_deferred::make_world(n);
+  const auto limit = stream_limit.count() ? stream_limit : opt.timeout;
   ls::transport::detail::run_ranks(n, *world, [&](int r) {
-    ls::host_stream group_stream(opt.timeout), torch_stream(opt.timeout);
+    ls::host_stream group_stream(limit), torch_stream(limit);
+    bool failed = false;
     {
       engine e(std::make_unique<deferred_group>(ls::transport::inproc_deferred(world, r, &group_stream), opt));
       f(e, torch_stream);
-      torch_stream.synchronize();
+      failed = !e.failure().empty();
+      try {
+        torch_stream.synchronize();
+      } catch (...) {
+        if (!failed) throw;
+      }
     }
-    group_stream.synchronize();
+    try {
+      group_stream.synchronize();
+    } catch (...) {
+      if (!failed) throw;
+    }
   });
 }
 
@@ -143,17 +157,18 @@ TEST_CASE("stream engine: error feedback per bucket index follows a bucket that 
   run_engines(n, [&](engine& e, ls::host_stream& torch) {
     const int r = e.rank();
     std::vector<float> a(count), b(count);
+    auto& mine = seen[static_cast<std::size_t>(r)];
+    mine.assign(steps, std::vector<float>(count));
+    // No host synchronisation between steps: the residuals move behind work still queued.
     for (int s = 0; s < steps; ++s) {
       std::vector<float>& bucket = s % 2 ? b : a;  // DDP may hand the same bucket at another address
       torch.enqueue([&bucket, r, s] {
         for (std::size_t i = 0; i < bucket.size(); ++i) bucket[i] = value(r, i, s);
       });
       e.reduce_bucket(bucket, &torch, codec_kind::dyntree8, ts, 0);
-      std::vector<float> out;
-      torch.enqueue([&bucket, &out] { out = bucket; });
-      torch.synchronize();
-      seen[static_cast<std::size_t>(r)].push_back(out);
+      torch.enqueue([&bucket, out = &mine[static_cast<std::size_t>(s)]] { *out = bucket; });
     }
+    torch.synchronize();
     e.synchronize();
     kept[static_cast<std::size_t>(r)] = e.buckets();
     // A resized bucket: its residuals no longer line up.
@@ -235,7 +250,40 @@ TEST_CASE("stream engine: a peer that never calls is a timeout, then every call 
     done = true;
   }, quick(std::chrono::milliseconds(300)));
   INFO(first << "\n" << second);
-  REQUIRE_THAT(first, Catch::Contains("rank 0"));
+  REQUIRE_THAT(first, Catch::Contains("rank 0") && Catch::Contains("timeout"));
   REQUIRE(!second.empty());
+  REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+}
+
+TEST_CASE("stream engine: a stream that stalls past the timeout is aborted by the watcher", "[stream_engine]") {
+  // Every rank posts its side at once, but the caller's stream holds the bucket back for longer
+  // than the group's timeout (a stalled kernel, a peer's stream that never gets there): only the
+  // watcher can see it.
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> first(2), second(2), failure(2);
+  run_engines(2, [&](engine& e, ls::host_stream& torch) {
+    const auto r = static_cast<std::size_t>(e.rank());
+    std::vector<float> x(512, 1.0f);
+    torch.enqueue([] { std::this_thread::sleep_for(std::chrono::milliseconds(900)); });
+    try {
+      e.reduce_bucket(x, &torch, codec_kind::int8, topology_spec{}, -1);  // enqueues: no error yet
+      e.synchronize();
+    } catch (const ls::error& err) {
+      first[r] = err.what();
+    }
+    try {
+      e.reduce_bucket(x, &torch, codec_kind::int8, topology_spec{}, -1);
+    } catch (const ls::error& err) {
+      second[r] = err.what();
+    }
+    failure[r] = e.failure();
+    torch.synchronize();  // the sleep ends; what ran behind it failed on the aborted group
+  }, quick(std::chrono::milliseconds(300)), std::chrono::seconds(20));
+  for (std::size_t r = 0; r < 2; ++r) {
+    INFO("rank " << r << ": " << first[r] << "\n" << second[r]);
+    REQUIRE_THAT(first[r], Catch::Contains("did not finish the call within 300 ms"));
+    REQUIRE_THAT(second[r], Catch::Contains("an earlier reduction on this engine failed"));
+    REQUIRE_THAT(failure[r], Catch::StartsWith("allreduce_hook: "));
+  }
   REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
 }

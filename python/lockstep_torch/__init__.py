@@ -18,6 +18,7 @@ groups (a CUDA State joins a communicator of its own, also a collective call). B
 rank (and the peer, where one is involved); a peer that never answers is a timeout after
 `timeout` seconds (default 300), never a hang. docs/torch.md has the details.
 """
+import atexit as _atexit
 import datetime as _datetime
 import threading as _threading
 
@@ -109,6 +110,13 @@ def _cuda_engine(process_group, device_index, timeout, settings):
     return _C.CudaEngine(uid, rank, size, device_index, _seconds(timeout))
 
 
+@_atexit.register
+def _close_cuda_engines():
+    # Before the interpreter (and with it CUDA) is torn down: each waits for its pending calls.
+    with _lock:
+        _plain_cuda_engines.clear()
+
+
 class State:
     """The state of lockstep's DDP hook: its group over the process group, its settings, and the
     error-feedback residuals of every bucket (by bucket index).
@@ -118,8 +126,9 @@ class State:
     codec: fp32, bf16, int8 or dyntree8; topology: ring, torus2d or torus2d:RxC; error_feedback
     is ignored for fp32 (lossless); timeout in seconds (or a timedelta) bounds every wait;
     segment_bytes is the pipelining unit of large buckets (0: 1 MiB); ranks must agree on it.
-    device: where the model's buckets are, "cpu" or "cuda[:N]"; None: "cuda" (the current device)
-    over an NCCL process group, else "cpu". A CUDA State reduces its buckets in the order of
+    device: where the model's buckets are, "cpu" or "cuda[:N]"; None: "cuda" over an NCCL process
+    group, else "cpu". "cuda" means torch's current device: call torch.cuda.set_device(local_rank)
+    first, as torchrun scripts do, or name the device (two ranks on one GPU fail in NCCL's init). A CUDA State reduces its buckets in the order of
     torch's current stream, on a communicator of its own (its settings are checked across the
     ranks when it is made); segment_bytes does not apply there (a chunk is one message).
     """
@@ -209,11 +218,10 @@ def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", time
     pg = _group_of(group)
     if tensor.is_cuda:
         index = _cuda_device(tensor.device, pg.rank())
-        with _lock:
+        with _lock:  # held while the engine is made (a collective call): it is made once
             engine = _plain_cuda_engines.get((pg, index))
-        if engine is None:
-            engine = _cuda_engine(pg, index, timeout, "all_reduce")
-            with _lock:
+            if engine is None:
+                engine = _cuda_engine(pg, index, timeout, "all_reduce")
                 _plain_cuda_engines[(pg, index)] = engine
         engine.all_reduce(tensor, torch.cuda.current_stream(tensor.device).cuda_stream, codec, topology, op)
         return tensor

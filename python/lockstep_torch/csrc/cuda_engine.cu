@@ -96,13 +96,33 @@ engine::engine(const std::string& id, int rank, int size, int device, double tim
   ncclUniqueId uid{};
   std::memcpy(uid.internal, id.data(), sizeof uid.internal);
   auto comm = nccl::communicator::init_rank(size, uid, rank);
-  p_->e = std::make_unique<stream_engine<device_group>>(std::make_unique<device_group>(nccl(std::move(comm), p_->s->get()), opt));
+  p_->e = std::make_unique<stream_engine<device_group>>(
+      std::make_unique<device_group>(nccl(std::move(comm), p_->s->get()), opt),
+      [device] { cudaSetDevice(device); });  // the watcher's event queries and abort, on this GPU
+  warm_up();
+}
+
+// NCCL connects a pair of ranks at their first send and receive, and a blocking communicator's
+// ncclGroupEnd waits on the host until the peer has connected too: a peer that never called would
+// stall a later hook on the host, before the watcher could see it. So every pair the topologies
+// use (ring neighbours, torus rows and columns) connects here, while every rank is in this
+// constructor, and later calls only enqueue.
+void engine::warm_up() {
+  const std::size_t n = static_cast<std::size_t>(size()) * 64;
+  lockstep::device::buffer<float> x(n, p_->s->get());
+  lockstep::device::check(cudaMemsetAsync(x.data(), 0, n * sizeof(float), p_->s->get()), "cudaMemsetAsync", rank());
+  const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(x.data()), s = reinterpret_cast<std::uintptr_t>(p_->s->get());
+  all_reduce(p, n, s, "fp32", "ring", "sum");
+  all_reduce(p, n, s, "fp32", "torus2d", "sum");
+  synchronize();
+  lockstep::device::check(cudaStreamSynchronize(p_->s->get()), "cudaStreamSynchronize", rank());
 }
 
 engine::~engine() {
   if (!p_ || !p_->e) return;
   device_guard on(p_->device, p_->e->rank());
   p_->e.reset();  // waits for pending calls, each within the timeout
+  p_->s.reset();  // on this GPU
 }
 
 int engine::rank() const { return p_->e->rank(); }

@@ -50,6 +50,7 @@ class engine {
   void reset_buckets();
 
  private:
+  void warm_up();
   struct impl;
   std::unique_ptr<impl> p_;
 };

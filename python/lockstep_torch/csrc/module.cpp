@@ -231,6 +231,18 @@ PYBIND11_MODULE(_C, m) {
 #if LOCKSTEP_TORCH_CUDA
   // CUDA buckets: lockstep's device executor over an NCCL communicator of its own (cuda_engine.hpp).
   using engine_handle = lockstep_torch::cuda::engine;
+  // Destroying an engine waits for its pending calls (each within the timeout) and tears the
+  // communicator down: never with the GIL held, whoever drops the last reference.
+  struct release_gil_delete {
+    void operator()(engine_handle* p) const {
+      if (PyGILState_Check()) {
+        py::gil_scoped_release nogil;
+        delete p;
+      } else {
+        delete p;
+      }
+    }
+  };
   m.attr("has_cuda") = true;
   m.def("cuda_available", [] {
     std::string why;
@@ -238,11 +250,11 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(ok, why);
   });
   m.def("cuda_unique_id", [] { return py::bytes(lockstep_torch::cuda::unique_id()); });
-  py::class_<engine_handle>(m, "CudaEngine")
+  py::class_<engine_handle, std::unique_ptr<engine_handle, release_gil_delete>>(m, "CudaEngine")
       .def(py::init([](py::bytes id, int rank, int size, int device, double timeout) {
              std::string raw = id;
              py::gil_scoped_release nogil;  // joining the communicator waits for every rank
-             return std::make_unique<engine_handle>(raw, rank, size, device, timeout);
+             return new engine_handle(raw, rank, size, device, timeout);
            }),
            py::arg("nccl_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout"))
       .def_property_readonly("rank", &engine_handle::rank)

@@ -12,19 +12,24 @@
 // host never waits for the GPU in a call: the DDP hook's future can be complete at once.
 //
 // Timeouts. NCCL cannot time out a peer that never posts: the stream just stops. So every call's
-// request goes to the engine's watcher thread, which waits for it within the group's timeout
-// (lockstep::request::wait: past it the group is aborted, which unblocks the stream, and the
-// request throws errc::timeout naming the call). ProcessGroupNCCL's watchdog does the same. A
-// failure is sticky, as a CUDA error or an aborted communicator is: later calls throw at once with
-// its message, and synchronize() rethrows it.
+// request goes to the engine's watcher thread, which waits for it within the group's timeout; past
+// it the watcher aborts the group (which unblocks the stream), taking the call lock first so that
+// no call is enqueueing on the communicator it frees. ProcessGroupNCCL's watchdog does the same. A
+// failure that leaves the group unusable (a timeout, an abort, a transport error; not a local
+// argument error) is sticky, as a CUDA error or an aborted communicator is: later calls throw at
+// once with its message, and synchronize() rethrows it. The watcher starts by calling the
+// engine's `on_thread` (the CUDA engine makes its GPU current there, so the thread's event queries
+// and the abort touch no other device).
 //
 // Error feedback, per DDP bucket index, is bucket_table's (policies.hpp), the host engine's own: its
 // residuals live in the group's space (device memory on a GPU) and move with a bucket that moved.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -45,9 +50,12 @@ class stream_engine {
   using space_type = typename Group::space_type;
   using stream_handle = typename space_type::handle_type;
 
-  explicit stream_engine(std::unique_ptr<Group> g) : g_(std::move(g)) {
+  explicit stream_engine(std::unique_ptr<Group> g, std::function<void()> on_thread = {}) : g_(std::move(g)) {
     if (!g_) throw ls::error(ls::errc::invalid_argument, "lockstep_torch", -1, -1, "stream_engine without a group");
-    watcher_ = std::thread([this] { watch(); });
+    watcher_ = std::thread([this, on_thread = std::move(on_thread)] {
+      if (on_thread) on_thread();
+      watch();
+    });
   }
   stream_engine(const stream_engine&) = delete;
   stream_engine& operator=(const stream_engine&) = delete;
@@ -80,9 +88,10 @@ class stream_engine {
   // Averages DDP bucket `buf` in the caller's stream order. bucket_index < 0: no error feedback
   // (DDP's first iteration, whose buckets it rebuilds after).
   void reduce_bucket(std::span<float> buf, stream_handle caller, codec_kind ck, const topology_spec& ts, int bucket_index) {
-    bucket_state* bs =
-        bucket_index >= 0 && ck != codec_kind::fp32 ? buckets_.bucket(bucket_index, ck, buf.size(), rank()) : nullptr;
     enqueue(caller, "allreduce_hook", [&] {
+      // Under the call lock: reset_buckets() cannot drop this state while the call uses it.
+      bucket_state* bs =
+          bucket_index >= 0 && ck != codec_kind::fp32 ? buckets_.bucket(bucket_index, ck, buf.size(), rank()) : nullptr;
       ls::request r;
       with_topology(ts, [&](const auto& topo) {
         auto run = [&](auto& c) { r = ls::all_reduce_async(*g_, buf, topo, c, ls::reduce_op::average); };
@@ -99,6 +108,12 @@ class stream_engine {
     std::unique_lock lk(m_);
     cv_.wait(lk, [&] { return pending_.empty(); });
     throw_if_failed_locked();
+  }
+
+  // The sticky failure, empty while the engine is healthy.
+  std::string failure() {
+    std::lock_guard lk(m_);
+    return failure_;
   }
 
   std::map<int, std::size_t> buckets() { return buckets_.counts(); }
@@ -128,8 +143,19 @@ class stream_engine {
     typename space_type::event ready, done;
     caller_space.record(ready);
     g_->space().wait(ready);
-    ls::request r = body();
-    if (r.ready()) r.wait();  // failed while enqueueing (or already done): throws what it threw
+    ls::request r;
+    try {
+      r = body();
+      if (r.ready()) r.wait();  // failed while enqueueing (or already done): throws what it threw
+    } catch (const ls::error& e) {
+      // A local mistake (a resized bucket, a bad name) leaves the group as it was; anything else
+      // (a timeout, an abort, a transport error) does not, and every later call says so.
+      if (e.code() != ls::errc::invalid_argument) {
+        std::lock_guard lk(m_);
+        if (failure_.empty()) failure_ = std::string(label) + ": " + e.what();
+      }
+      throw;
+    }
     g_->space().record(done);
     caller_space.wait(done);
     {
@@ -145,10 +171,22 @@ class stream_engine {
       cv_.wait(lk, [&] { return stop_ || !pending_.empty(); });
       if (pending_.empty()) return;  // stopping, with nothing left to watch
       pending_call& p = pending_.front();  // (push_back leaves it where it is)
+      const bool failed = !failure_.empty();
       lk.unlock();
       std::string why;
       try {
-        p.r.wait();  // within the group's timeout; past it the group is aborted and this throws
+        // After a failure the group is aborted: what is still pending ends soon or never, and is
+        // not waited for a whole timeout each.
+        if (failed) {
+          p.r.wait_for(std::chrono::milliseconds(100));
+        } else if (!p.r.wait_for(g_->options().timeout)) {
+          why = ls::error(ls::errc::timeout, p.label, g_->rank(), -1,
+                          "the stream did not finish the call within " + std::to_string(g_->options().timeout.count()) +
+                              " ms (a peer that never posted its side stalls it); the group was aborted")
+                    .what();
+          std::lock_guard call(call_m_);  // no call is enqueueing on what the abort frees
+          g_->abort(why);
+        }
       } catch (const std::exception& e) {
         why = e.what();
       }
