@@ -63,6 +63,15 @@ def _engine(process_group, timeout, segment_bytes=0):
         return engine
 
 
+def _backend(process_group):
+    """"nccl", "gloo", ...; "" for a process group torch.distributed does not know by name (made
+    directly, not by init_process_group or new_group)."""
+    try:
+        return str(dist.get_backend(process_group))
+    except Exception:
+        return ""
+
+
 def _cuda_device(device, rank):
     """The index of a CUDA device, or an Error saying why CUDA buckets cannot run here."""
     where = f"lockstep: lockstep_torch on rank {rank}: invalid argument"
@@ -87,7 +96,7 @@ def _agree(process_group, settings, payload=b"", device=None):
     row = bytearray(256)
     row[:len(payload)] = payload
     row[128:128 + len(text)] = text
-    nccl = dist.get_backend(process_group) == "nccl"
+    nccl = _backend(process_group) == "nccl"
     on = device if nccl else torch.device("cpu")
     mine = torch.tensor(list(row), dtype=torch.uint8, device=on)
     rows = [torch.empty_like(mine) for _ in range(size)]
@@ -143,7 +152,7 @@ class State:
         # Names and the torus shape are checked now, not in backward.
         _C.check_settings(codec, topology, self.process_group.rank(), self.process_group.size())
         if device is None:
-            device = "cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu"
+            device = "cuda" if _backend(self.process_group) == "nccl" else "cpu"
         self.device = torch.device(device)
         if self.device.type == "cuda":
             index = _cuda_device(self.device, self.process_group.rank())
