@@ -38,15 +38,6 @@ class device_guard {
   int old_ = 0;
 };
 
-lockstep::group_options options(double timeout_s) {
-  if (!(timeout_s > 0))
-    throw lockstep::error(lockstep::errc::invalid_argument, "lockstep_torch", -1, -1,
-                          "timeout must be a positive number of seconds, not " + std::to_string(timeout_s));
-  lockstep::group_options o;
-  o.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000.0 + 0.5));
-  return o;
-}
-
 }  // namespace
 
 bool available(std::string& why) {
@@ -80,7 +71,7 @@ struct engine::impl {
 };
 
 engine::engine(const std::string& id, int rank, int size, int device, double timeout_s) : p_(std::make_unique<impl>()) {
-  const lockstep::group_options opt = options(timeout_s);
+  const lockstep::group_options opt = group_options_for(timeout_s);
   if (id.size() != sizeof(ncclUniqueId::internal))
     throw lockstep::error(lockstep::errc::invalid_argument, "lockstep_torch", rank, -1,
                           "an NCCL id of " + std::to_string(id.size()) + " bytes, not " +

@@ -31,6 +31,21 @@ namespace lockstep_torch {
 
 using group_t = ls::group<c10d_transport>;
 
+// The data of a tensor an engine may reduce: defined, float32, contiguous, dense, on `on` (the
+// engine's device); otherwise errc::invalid_argument naming what is wrong.
+inline void* float32_data(const at::Tensor& t, const char* what, int rank, const at::Device& on) {
+  auto bad = [&](const std::string& why) { return ls::error(ls::errc::invalid_argument, what, rank, -1, why); };
+  if (!t.defined()) throw bad("undefined tensor");
+  if (t.scalar_type() != at::kFloat)
+    throw bad(std::string("lockstep reduces float32 tensors; this one is ") + std::string(c10::toString(t.scalar_type())));
+  if (t.device() != on)
+    throw bad("tensor on " + t.device().str() + ": this engine reduces tensors on " + on.str() +
+              (on.is_cpu() ? " (for CUDA tensors make the State with device='cuda')" : ""));
+  if (!t.is_contiguous()) throw bad("tensor is not contiguous");
+  if (t.is_sparse()) throw bad("sparse tensor");
+  return t.data_ptr();
+}
+
 // A Python callable held by C++ threads: its reference is dropped with the GIL held.
 struct py_callback {
   py::object fn;
@@ -46,7 +61,7 @@ struct py_callback {
 class engine {
  public:
   engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel, double timeout_s, std::size_t segment_bytes)
-      : g_(std::make_unique<group_t>(c10d_transport(std::move(pg), channel), options(timeout_s, segment_bytes))) {}
+      : g_(std::make_unique<group_t>(c10d_transport(std::move(pg), channel), group_options_for(timeout_s, segment_bytes))) {}
 
   engine(const engine&) = delete;
   engine& operator=(const engine&) = delete;
@@ -128,28 +143,8 @@ class engine {
   }
 
  private:
-  static ls::group_options options(double timeout_s, std::size_t segment_bytes) {
-    if (!(timeout_s > 0))
-      throw ls::error(ls::errc::invalid_argument, "lockstep_torch", -1, -1,
-                      "timeout must be a positive number of seconds, not " + std::to_string(timeout_s));
-    ls::group_options o;
-    o.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000.0 + 0.5));
-    o.segment_bytes = segment_bytes;  // 0: the transport's 1 MiB
-    return o;
-  }
-
   std::span<float> checked_span(const at::Tensor& t, const char* what) const {
-    auto bad = [&](const std::string& why) {
-      return ls::error(ls::errc::invalid_argument, what, rank(), -1, why);
-    };
-    if (!t.defined()) throw bad("undefined tensor");
-    if (t.scalar_type() != at::kFloat)
-      throw bad(std::string("lockstep reduces float32 tensors; this one is ") + std::string(c10::toString(t.scalar_type())));
-    if (!t.device().is_cpu())
-      throw bad("tensor on " + t.device().str() + ": this build reduces CPU tensors over Gloo (CUDA buckets are not supported yet)");
-    if (!t.is_contiguous()) throw bad("tensor is not contiguous");
-    if (t.is_sparse()) throw bad("sparse tensor");
-    return {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())};
+    return {static_cast<float*>(float32_data(t, what, rank(), at::Device(at::kCPU))), static_cast<std::size_t>(t.numel())};
   }
 
   std::unique_ptr<group_t> g_;
@@ -179,15 +174,8 @@ inline void exchange(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel, int
 #if LOCKSTEP_TORCH_CUDA
 // A CUDA bucket for cuda::engine: a contiguous float32 tensor on the engine's GPU, as its address.
 inline std::uintptr_t cuda_address(const cuda::engine& e, const at::Tensor& t, const char* what) {
-  auto bad = [&](const std::string& why) { return ls::error(ls::errc::invalid_argument, what, e.rank(), -1, why); };
-  if (!t.defined()) throw bad("undefined tensor");
-  if (t.scalar_type() != at::kFloat)
-    throw bad(std::string("lockstep reduces float32 tensors; this one is ") + std::string(c10::toString(t.scalar_type())));
-  if (!t.device().is_cuda() || t.device().index() != e.device())
-    throw bad("tensor on " + t.device().str() + ": this engine reduces tensors on cuda:" + std::to_string(e.device()));
-  if (!t.is_contiguous()) throw bad("tensor is not contiguous");
-  if (t.is_sparse()) throw bad("sparse tensor");
-  return reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  return reinterpret_cast<std::uintptr_t>(
+      float32_data(t, what, e.rank(), at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(e.device()))));
 }
 #endif
 

@@ -8,6 +8,7 @@
 // written once.
 #pragma once
 
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -61,6 +62,18 @@ inline ls::reduce_op parse_op(const std::string& op, int rank) {
   if (op == "sum") return ls::reduce_op::sum;
   if (op == "average" || op == "avg" || op == "mean") return ls::reduce_op::average;
   throw ls::error(ls::errc::invalid_argument, "lockstep_torch", rank, -1, "unknown op '" + op + "' (sum, average)");
+}
+
+// A group's options from lockstep_torch's settings: the timeout in seconds, the segment (0: the
+// transport's).
+inline ls::group_options group_options_for(double timeout_s, std::size_t segment_bytes = 0) {
+  if (!(timeout_s > 0))
+    throw ls::error(ls::errc::invalid_argument, "lockstep_torch", -1, -1,
+                    "timeout must be a positive number of seconds, not " + std::to_string(timeout_s));
+  ls::group_options o;
+  o.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000.0 + 0.5));
+  o.segment_bytes = segment_bytes;
+  return o;
 }
 
 template <class F>

@@ -72,7 +72,6 @@ class stream_engine {
   int rank() const { return g_->rank(); }
   int size() const { return g_->size(); }
   std::string name() const { return g_->name(); }
-  Group& group() noexcept { return *g_; }
 
   // Reduces `buf` in place (sum or average), in the caller's stream order.
   void all_reduce(std::span<float> buf, stream_handle caller, codec_kind ck, const topology_spec& ts, ls::reduce_op op) {
