@@ -58,7 +58,7 @@ struct options {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "lockstep-bench-allreduce: %s\n"
-               "usage: lockstep-bench-allreduce [--transport inproc|mpi] [--topology ring|torus2d|halving_doubling|recursive_doubling|automatic[,..]]\n"
+               "usage: lockstep-bench-allreduce [--transport inproc|mpi] [--topology ring|torus2d|halving_doubling|recursive_doubling|direct|automatic[,..]]\n"
                "         [--codec fp32|bf16|int8|dyntree8[,..]] [--ranks N] [--sizes 4K,1M,64M]\n"
                "         [--iters N] [--segment-bytes B] [--no-mpi-allreduce] [--json] [--check]\n",
                why);
@@ -113,7 +113,8 @@ options parse(int argc, char** argv) {
   if (o.transport.empty()) o.transport = under_mpirun() ? "mpi" : "inproc";
   if (o.transport != "inproc" && o.transport != "mpi") usage(("unknown transport " + o.transport).c_str());
   for (const auto& t : o.topologies)
-    if (t != "ring" && t != "torus2d" && t != "halving_doubling" && t != "recursive_doubling" && t != "automatic")
+    if (t != "ring" && t != "torus2d" && t != "halving_doubling" && t != "recursive_doubling" && t != "direct" &&
+        t != "automatic")
       usage(("unknown topology " + t).c_str());
   for (const auto& c : o.codecs)
     if (c != "fp32" && c != "bf16" && c != "int8" && c != "dyntree8") usage(("unknown codec " + c).c_str());
@@ -308,6 +309,7 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
       else if (tn == "ring") add(topology::ring{});
       else if (tn == "halving_doubling") add(topology::halving_doubling{});
       else if (tn == "recursive_doubling") add(topology::recursive_doubling{});
+      else if (tn == "direct") add(topology::direct{});
       else add(topology::torus2d{});
     }
   return out;

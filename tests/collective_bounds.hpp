@@ -43,6 +43,8 @@ double delta() {
 // the fold and the final quantisation; its reduce_scatter is halving-doubling's: the same count
 // covers both.
 inline int hops(const lockstep::topology::ring&, int n) { return n - 1; }
+// direct: every rank's own values go straight to the chunk's owner, one hop (none alone).
+inline int hops(const lockstep::topology::direct&, int n) { return n > 1 ? 1 : 0; }
 inline int hops(const lockstep::topology::torus2d& t, int n) {
   auto [r, c] = t.shape(n);
   return r + c - 2;

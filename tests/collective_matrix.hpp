@@ -211,6 +211,8 @@ void every_op(int n) {
       f(topology::halving_doubling{});
       f(topology::recursive_doubling{});
     }
+    // direct's fan-in (every peer's copy added in one pass on a host group) from 3 ranks on.
+    if (n == 2 || n == 3 || n == 4 || n == 7) f(topology::direct{});
   };
   for_topologies([&](const auto& topo) {
     INFO("topology " << topo.name() << ", N = " << n);

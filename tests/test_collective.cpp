@@ -47,6 +47,41 @@ TEST_CASE("results are identical from run to run", "[collective]") {
   REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
+// direct's reduce-scatter is a fan-in on a host group (all copies of a segment added in one pass)
+// and a walk of its steps one by one on a stream: the same additions in the same order, so the
+// same bits, for every codec and with error feedback, over chunks of many segments.
+template <class C>
+std::vector<std::vector<float>> direct_all_reduce(bool stream, int n, std::size_t count, int calls) {
+  results out(n);
+  auto body = [&](auto& g) {
+    std::vector<float> v(count);
+    C c;
+    for (int k = 0; k < calls; ++k) {
+      for (std::size_t i = 0; i < count; ++i) v[i] = input(g.rank() + 7 * k, i, false);
+      all_reduce(g, std::span<float>(v), topology::direct{}, c, reduce_op::average);
+    }
+    if constexpr (requires { g.space().handle(); }) g.space().handle()->synchronize();
+    out.put(g.rank(), v);
+  };
+  if (stream) run_inproc_deferred(n, body, matrix_options(64 << 10));
+  else run_inproc(n, body, matrix_options(64 << 10));
+  return out.per_rank;
+}
+
+TEMPLATE_TEST_CASE("direct: the fan-in gives the bits of walking its steps one by one", "[collective][direct]", codec::fp32,
+                   codec::bf16, codec::int8, codec::dyntree8, codec::error_feedback<codec::dyntree8>) {
+  for (int n : {3, 5}) {
+    INFO("N = " << n);
+    const std::size_t count = 200003;  // prime: uneven chunks of several 64 KiB segments
+    const auto fan = direct_all_reduce<TestType>(false, n, count, 3);
+    const auto walk = direct_all_reduce<TestType>(true, n, count, 3);
+    for (int r = 0; r < n; ++r) {
+      REQUIRE(fan[static_cast<std::size_t>(r)].size() == count);
+      REQUIRE(std::memcmp(fan[static_cast<std::size_t>(r)].data(), walk[static_cast<std::size_t>(r)].data(), count * sizeof(float)) == 0);
+    }
+  }
+}
+
 TEST_CASE("the epilogue sees every element once, with its final value", "[collective][epilogue]") {
   run_inproc(6, [](inproc_group& g) {
     std::vector<float> v(100003);

@@ -770,6 +770,25 @@ TEST_CASE("halving_doubling's and recursive_doubling's schedules simulate to the
   REQUIRE(got == Approx(want).epsilon(1e-9));
 }
 
+// The simulator walks steps and has no term for the fan-in's saved memory traffic: on the wire
+// direct is a ring with other peers (one message in and one out per rank and step), so it must
+// simulate to the ring's time.
+TEST_CASE("direct simulates as a ring for N = 1..32", "[sim][direct]") {
+  sim::cluster cl = gigabit();
+  cl.segments_ahead = sim::cluster::as_executor;
+  const sim::codec_model c = bench::codec_by_name("dyntree8");
+  for (int size = 1; size <= 32; ++size) {
+    CAPTURE(size);
+    sim::simulator s(cl, c);
+    for (std::size_t n : {std::size_t{1024}, std::size_t{1} << 22}) {
+      CAPTURE(n);
+      const double d = s.all_reduce(topology::direct{}, size, n).time_s;
+      const double ring = s.all_reduce(topology::ring{}, size, n).time_s;
+      CHECK(d == Approx(ring).epsilon(0.01));
+    }
+  }
+}
+
 TEST_CASE("the latency topologies run in the simulator for N = 1..64 and win where alpha dominates", "[sim][halving_doubling]") {
   sim::cluster cl = gigabit();
   cl.segments_ahead = sim::cluster::as_executor;  // fp32 posts a step's sends at once: alpha per step

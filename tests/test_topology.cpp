@@ -5,6 +5,7 @@
 #include <lockstep/topology.hpp>
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -134,6 +135,33 @@ TEST_CASE("torus2d: every contribution exactly once for every factorisation of N
       // The latency term: 2(R + C - 2) steps instead of the ring's 2(N - 1).
       CHECK(topology::all_reduce_schedule(t, 0, n).steps.size() == static_cast<std::size_t>(2 * (r + c - 2)));
     }
+}
+
+TEST_CASE("direct: every contribution exactly once for N = 1..64, each peer's copy sent unreduced", "[topology][direct]") {
+  for (int n = 1; n <= 64; ++n) {
+    INFO("N = " << n);
+    check_topology(topology::direct{}, n);
+    for (int r = 0; r < n; ++r) {
+      const auto rs = topology::direct{}.reduce_scatter(r, n);
+      REQUIRE(rs.steps.size() == static_cast<std::size_t>(n - 1));
+      // What makes the executor's fan-in legal: every step receives the owned chunk, each from
+      // another peer, and sends only chunks it never receives into.
+      std::vector<int> from;
+      for (const auto& st : rs.steps) {
+        CHECK(st.recv == rs.owned);
+        CHECK_FALSE(st.send.overlaps(rs.owned));
+        from.push_back(st.recv_peer);
+      }
+      std::sort(from.begin(), from.end());
+      CHECK(std::adjacent_find(from.begin(), from.end()) == from.end());
+      CHECK(topology::all_reduce_schedule(topology::direct{}, r, n).steps.size() == static_cast<std::size_t>(2 * (n - 1)));
+    }
+  }
+  const std::string d = topology::all_reduce_schedule(topology::direct{}, 1, 4).str();
+  CHECK_THAT(d, Catch::Contains("0 [rs] send chunk 2 -> 2; recv chunk 1 <- 0 (reduce)"));
+  CHECK_THAT(d, Catch::Contains("2 [rs] send chunk 0 -> 0; recv chunk 1 <- 2 (reduce)"));
+  CHECK_THAT(d, Catch::Contains("3 [ag] send chunk 1 -> 2; recv chunk 0 <- 0 (copy)"));
+  CHECK_THROWS_AS(topology::direct{}.validate(0), error);
 }
 
 // log2 of the largest power of two <= n, and whether ranks were folded in.

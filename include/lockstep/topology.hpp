@@ -2,6 +2,7 @@
 #pragma once
 #include "topology/automatic.hpp"
 #include "topology/concept.hpp"
+#include "topology/direct.hpp"
 #include "topology/halving_doubling.hpp"
 #include "topology/recursive_doubling.hpp"
 #include "topology/ring.hpp"

@@ -185,6 +185,7 @@ void every_op(mpi_group& g) {
   if (n == 3) each(topology::torus2d{3, 1});
   each(topology::halving_doubling{});  // n = 3: one folded pair
   each(topology::recursive_doubling{});
+  each(topology::direct{});  // the fan-in: every peer's copy lands in a slot of its own
 }
 
 // The error a call throws; errc::invalid_argument with op "nothing thrown" when it throws none.
@@ -225,6 +226,9 @@ TEST_CASE("4 Mi elements over mpi: fp32 exact, dyntree8 bounded, ring and torus"
   all_reduce_case<codec::fp32>(g, topology::ring{}, big + 3, reduce_op::sum);
   all_reduce_case<codec::fp32>(g, topology::torus2d{}, big, reduce_op::sum);
   all_reduce_case<codec::dyntree8>(g, topology::torus2d{}, big, reduce_op::average);
+  // Chunks of several segments: the fan-in's landing slots per peer and segment.
+  all_reduce_case<codec::fp32>(g, topology::direct{}, big + 5, reduce_op::sum);
+  all_reduce_case<codec::dyntree8>(g, topology::direct{}, big + 5, reduce_op::sum);
 }
 
 TEST_CASE("results over mpi are the same from run to run", "[mpi][collective]") {

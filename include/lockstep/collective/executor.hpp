@@ -198,7 +198,12 @@ class schedule_run {
       const std::size_t final_at = owns() ? pipeline::finalize_step(s_) : s_.steps.size() + 1;
       for (std::size_t si = 0; si < s_.steps.size(); ++si) {
         if (si == final_at) finalize_owned();
-        run_step(si);
+        if (const std::size_t end = fan_in_end(si); end > si + 1) {
+          run_fan_in(si, end);
+          si = end - 1;
+        } else {
+          run_step(si);
+        }
       }
       if (final_at == s_.steps.size()) finalize_owned();
       check_headers();  // a rank that only sends: a mismatch is reported, not waited out
@@ -246,8 +251,16 @@ class schedule_run {
       wire_off_[c + 1] = wire_off_[c] + (full ? full * codec_.wire_bytes(seg_) : 0) + codec_.wire_bytes(len % seg_);
     }
     const bool exchanges = std::any_of(s_.steps.begin(), s_.steps.end(), [](const topology::step& st) { return topology::is_exchange(st); });
-    wire_ = g_.scratch(wire_off_[s_.chunks] * (exchanges ? 2 : 1));
     landing_off_ = exchanges ? wire_off_[s_.chunks] : 0;
+    // A fan-in's second and later peers land past that (the first lands in the chunk's own slot).
+    fan_off_ = wire_off_[s_.chunks] * (exchanges ? 2 : 1);
+    std::size_t fan_bytes = 0;
+    for (std::size_t si = 0, end; si < s_.steps.size(); si = end) {
+      end = fan_in_end(si);
+      const topology::chunk_span r = s_.steps[si].recv;
+      if (end > si + 1) fan_bytes = std::max(fan_bytes, (end - si - 1) * (wire_off_[r.end()] - wire_off_[r.first]));
+    }
+    wire_ = g_.scratch(fan_off_ + fan_bytes);
     replicated_.assign(exchanges ? s_.chunks : 0, false);
   }
 
@@ -392,19 +405,105 @@ class schedule_run {
   }
 
   void wait_sends(const topology::step& st, std::size_t si) {
-    for (auto& r : send_reqs_)
-      if (!t_.wait(r, g_.deadline())) {
-        // Where the transport tells (inproc: a send completes when the peer takes it), say whether
-        // the peer ever took our header, i.e. entered this collective at all. Over MPI a small send
-        // completes on its own (eager protocol), which tells nothing.
-        const char* what = "receipt of sent data by the peer";
-        if constexpr (requires { requires T::send_completion_means_taken; }) {
-          const auto i = static_cast<std::size_t>(std::find(to_.begin(), to_.end(), st.send_peer) - to_.begin());
-          if (i < header_sends_.size() && !t_.wait(header_sends_[i], transport::clock::now()))
-            what = "receipt of sent data by the peer: it has not entered this collective (it has not taken this rank's header)";
-        }
-        throw fail(errc::timeout, st.send_peer, timeout_text(what, si, st.send_peer));
+    for (auto& r : send_reqs_) wait_send(r, st, si);
+  }
+  void wait_send(typename T::request& r, const topology::step& st, std::size_t si) {
+    if (!t_.wait(r, g_.deadline())) {
+      // Where the transport tells (inproc: a send completes when the peer takes it), say whether
+      // the peer ever took our header, i.e. entered this collective at all. Over MPI a small send
+      // completes on its own (eager protocol), which tells nothing.
+      const char* what = "receipt of sent data by the peer";
+      if constexpr (requires { requires T::send_completion_means_taken; }) {
+        const auto i = static_cast<std::size_t>(std::find(to_.begin(), to_.end(), st.send_peer) - to_.begin());
+        if (i < header_sends_.size() && !t_.wait(header_sends_[i], transport::clock::now()))
+          what = "receipt of sent data by the peer: it has not entered this collective (it has not taken this rank's header)";
       }
+      throw fail(errc::timeout, st.send_peer, timeout_text(what, si, st.send_peer));
+    }
+  }
+
+  // ---- a fan-in: many peers' copies of one span, added in one pass ------------------------------
+
+  // The end of the run of steps from si that fan in; si + 1 where none does (every topology but
+  // topology::direct). A run: reduce-scatter steps that each receive the same span from another
+  // peer and send only chunks outside it, so that nothing they send depends on what they receive.
+  // Host groups only: a stream adds on the device, one message after the other.
+  std::size_t fan_in_end(std::size_t si) const {
+    if constexpr (space_type::ordered) {
+      return si + 1;
+    } else {
+      const topology::step& head = s_.steps[si];
+      auto fans = [&](const topology::step& st) {
+        return st.phase == topology::phase::reduce_scatter && st.act == topology::action::reduce && st.send_peer >= 0 &&
+               st.recv_peer >= 0 && !topology::is_exchange(st) && st.recv == head.recv && !st.send.overlaps(head.recv);
+      };
+      if (!fans(head)) return si + 1;
+      std::size_t end = si + 1;
+      auto new_peer = [&](int p) {
+        return std::none_of(s_.steps.begin() + static_cast<std::ptrdiff_t>(si), s_.steps.begin() + static_cast<std::ptrdiff_t>(end),
+                            [&](const topology::step& st) { return st.recv_peer == p; });
+      };
+      while (end < s_.steps.size() && fans(s_.steps[end]) && new_peer(s_.steps[end].recv_peer)) ++end;
+      return end;
+    }
+  }
+
+  // Steps [first, last) as one: every receive posted, every send posted at once (encoded from
+  // chunks no receive touches), then each segment of the span is read from all m peers together
+  // (in place, where the transport holds the bytes) and their copies added in step order. The
+  // result has the bits of walking the steps one by one; the running sum is read and written
+  // once instead of m times (fp32: tile by tile, so it stays in L1 while each copy streams past).
+  void run_fan_in(std::size_t first, std::size_t last) {
+    const std::size_t m = last - first;
+    check_headers();
+    const topology::chunk_span span = s_.steps[first].recv;
+    const std::size_t span_bytes = wire_off_[span.end()] - wire_off_[span.first];
+    cut(span, recvs_);
+    recv_reqs_.clear();
+    for (std::size_t i = 0; i < m; ++i)
+      for (const segment& sg : recvs_) {
+        // Peer i > 0 lands in the span's wire layout again, i - 1 spans into the fan-in area.
+        void* at = i ? wire_ + fan_off_ + (i - 1) * span_bytes + (sg.wire - (wire_ + wire_off_[span.first])) : landing(sg, true);
+        recv_reqs_.push_back(t_.irecv(s_.steps[first + i].recv_peer, tag(), at, msg_bytes(sg.len)));
+      }
+    fan_sends_.clear();
+    for (std::size_t si = first; si < last; ++si) {
+      cut(s_.steps[si].send, sends_);
+      for (const segment& sg : sends_) {
+        const void* src = x_ + sg.lo;
+        if constexpr (!identity) {
+          encode(sg, 0);
+          src = sg.wire;
+        }
+        fan_sends_.emplace_back(si, t_.isend(s_.steps[si].send_peer, tag(), src, msg_bytes(sg.len)));
+      }
+    }
+    copies_.assign(m, nullptr);
+    for (std::size_t k = 0; k < recvs_.size(); ++k) read_fan_in(first, k, 0);
+    for (auto& [si, r] : fan_sends_) wait_send(r, s_.steps[si], si);
+  }
+
+  // Segment k of the fan-in from its i-th peer on: each copy is held while the next is awaited,
+  // and with all of them in hand they are added.
+  void read_fan_in(std::size_t first, std::size_t k, std::size_t i) {
+    if (i == copies_.size()) return add_copies(recvs_[k]);
+    const std::size_t si = first + i;
+    const int peer = s_.steps[si].recv_peer;
+    const bool got = t_.consume(recv_reqs_[i * recvs_.size() + k], g_.deadline(), [&](const std::byte* data) {
+      copies_[i] = data;
+      read_fan_in(first, k, i + 1);
+    });
+    if (!got) throw fail(errc::timeout, peer, timeout_text("data from the peer", si, peer));
+  }
+
+  void add_copies(const segment& sg) {
+    // 16 KiB of fp32 sum per tile (tried: 4, 16, 64 KiB at 64 MiB on 4 inproc ranks, docs/benchmarks.md).
+    // A lossy wire (scales before codes) is not cut by offset: its copies are added segment-wide.
+    const std::size_t tile = identity ? fan_tile : sg.len;
+    for (std::size_t off = 0; off < sg.len; off += tile) {
+      const std::size_t len = std::min(tile, sg.len - off);
+      for (const std::byte* c : copies_) sp_.decode_add(codec_, c + off * sizeof(float), len, x_ + sg.lo + off);
+    }
   }
 
   // ---- what becomes final ----------------------------------------------------------------------
@@ -517,6 +616,8 @@ class schedule_run {
   std::byte* wire_ = nullptr;
   std::size_t landing_off_ = 0;    // where an exchange's received image lies, past wire_off_'s
   std::vector<bool> replicated_;   // (chunk) an exchange left it equal on two ranks: no residual
+  std::size_t fan_off_ = 0;        // where a fan-in's second and later peers land
+  static constexpr std::size_t fan_tile = 4096;
 
   // Header exchange. `mine_` outlives the requests that send it: a request that has not completed
   // when the call fails withdraws its message or waits for the peer reading it, and only then is
@@ -530,6 +631,8 @@ class schedule_run {
   std::vector<segment> sends_, recvs_;
   std::vector<typename T::request> send_reqs_, recv_reqs_;
   bool posted_ = false;
+  std::vector<std::pair<std::size_t, typename T::request>> fan_sends_;  // (step, its send)
+  std::vector<const std::byte*> copies_;                                // (peer of the fan-in)
 };
 
 template <transport::transport T, codec::codec C, class Epilogue>
