@@ -1,12 +1,13 @@
 // samples/fashion_cnn/replica_cuda.cuh: one replica of lockstep-train-fashion on a GPU: the cuDNN
 // model (model_cuda.cuh), its gradients averaged and applied by lockstep's bucketed fused step
-// (optim::begin_step with a device::plan). The loop that drives it is trainer.hpp's train_replica.
+// (optim::begin_step with a device::plan: samples/common/replica_cuda.cuh, shared with the ResNet-50
+// sample). The loop that drives it is trainer.hpp's train_replica.
 //
-// Two streams per replica, as in PyTorch's DDP: the model computes on its own stream (cuda_ctx());
-// the device group communicates on its stream. The moment backward has enqueued a bucket's
-// gradients, an event orders the group's stream after them and the bucket's all-reduce, whose
-// epilogue enqueues the update, is enqueued there, so it runs while the model stream computes the
-// blocks before it. The next forward waits for the updates (an event), not the host. Batch-norm statistics and the test sums go through the host group, as on the CPU.
+// Two streams per replica, as in PyTorch's DDP: the moment backward has enqueued a bucket's
+// gradients, the bucket's all-reduce, whose epilogue enqueues the update, is enqueued on the device
+// group's stream, so it runs while the model stream computes the blocks before it. The next
+// forward waits for the updates (an event), not the host. Batch-norm statistics and the test sums
+// go through the host group, as on the CPU.
 // Limits: replicas as threads on one GPU (inproc_device), or one replica per MPI process and GPU
 // (NCCL, train_fashion_cuda.cu); checkpoints at epoch ends only, as on the CPU.
 #pragma once
@@ -15,12 +16,9 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/device/space.hpp>
-#include <lockstep/device/optim.hpp>
-#include <lockstep/device/step.hpp>
-#include <lockstep/optim/step.hpp>
 #include <lockstep/transport/inproc_device.hpp>
 
+#include "../common/replica_cuda.cuh"
 #include "model_cuda.cuh"
 #include "trainer.hpp"
 
@@ -32,118 +30,39 @@ class gpu_replica {
   static constexpr bool has_residuals = lockstep::codec::feedback_codec<Codec>;
 
   gpu_replica(DeviceGroup& dg, const options& o, Topo topo, Codec& codec, Opt opt)
-      : dg_(dg),
-        topo_(topo),
-        codec_(codec),
-        opt_(opt),
-        m_(gpu::model_create(model_config(o), o.seed)),
-        ps_(tensor_descs(m_.L)),
-        table_(ps_, dg.stream()),
-        v_(opt.uses_momentum() ? m_.L.total : 0, dg.stream()),
-        ready_(m_.L.buckets.size()) {
-    for (auto [first, last] : m_.L.buckets) buckets_.push_back({first, last});
-    if (v_.size()) LOCKSTEP_SAMPLE_CHECK(cudaMemsetAsync(v_.data(), 0, v_.size() * sizeof(float), dg.stream()));
-    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg.stream()));
-  }
-  gpu_replica(const gpu_replica&) = delete;
-  gpu_replica& operator=(const gpu_replica&) = delete;
-
-  // The model's buffers are freed in order on the compute stream, but the group's stream (the
-  // update, the collectives) and, on inproc_device, peers' streams may still use them: wait for
-  // both streams first. Best effort: this also runs while an exception unwinds.
-  ~gpu_replica() {
-    const cudaStream_t compute = gpu::cuda_ctx().stream;
-    cudaStreamWaitEvent(compute, updated_.get(), 0);
-    cudaStreamSynchronize(dg_.stream());
-    cudaStreamSynchronize(compute);
-  }
+      : m_(gpu::model_create(model_config(o), o.seed)),
+        step_(dg, topo, codec, opt, tensor_descs(m_.L), m_.L.buckets, m_.L.total) {}
 
   float train_step(const sample::batch& b, int B, const bn_group& bng, float lr) {
-    const cudaStream_t compute = gpu::cuda_ctx().stream, comm = dg_.stream();
-    after_update(compute);  // the forward reads the parameters the last update wrote
+    step_.after_update(gpu::cuda_ctx().stream);  // the forward reads the parameters the last update wrote
     const float loss = gpu::model_forward(m_, b.images.data(), b.labels.data(), B, bng, true);
-    // Gradient sync and update, the one call site: each bucket is averaged over all replicas and
-    // applied as soon as backward has written it (its all-reduce waits for the gradients' event).
-    const lockstep::device::plan<Opt> p{.opt = opt_, .table = table_, .weights = {m_.params.data(), m_.L.total},
-                                        .grads = {m_.grads.data(), m_.L.total},
-                                        .momentum = v_.size() ? v_.data() : nullptr,
-                                        .average = lockstep::optim::averaging::in_collective};
-    auto s = lockstep::optim::begin_step(dg_, topo_, codec_, p, buckets_, lr);
-    gpu::model_backward(m_, bng, [&](int k) {
-      ready_[static_cast<std::size_t>(k)].record(compute);
-      LOCKSTEP_SAMPLE_CHECK(cudaStreamWaitEvent(comm, ready_[static_cast<std::size_t>(k)].get(), 0));
-      s.bucket_ready(static_cast<std::size_t>(k));
-    });
-    s.wait();  // errors and timeouts of this step surface here
-    updated_.record(comm);
+    step_.run({m_.params.data(), m_.L.total}, {m_.grads.data(), m_.L.total}, nullptr, lr,
+              [&](auto ready) { gpu::model_backward(m_, bng, ready); });
     return loss;
   }
 
   float evaluate(const float* images, const int* labels, int n, const bn_group& bng, int* correct) {
-    after_update(gpu::cuda_ctx().stream);
+    step_.after_update(gpu::cuda_ctx().stream);
     return gpu::model_forward(m_, images, labels, n, bng, false, correct);
   }
 
   std::span<float> running() { return m_.running; }
-  std::vector<float> params() { return download(m_.params.data(), m_.L.total); }
-  std::vector<float> momentum() { return download(v_.data(), v_.size()); }
-
-  // Per bucket, the codec's own checkpoint share of its error-feedback residuals (device memory).
-  std::vector<float> residuals() {
-    std::vector<float> mine;
-    if constexpr (has_residuals) {
-      mine.resize(Codec::state_floats(m_.L.total));
-      float* out = mine.data();
-      for (auto [first, last] : m_.L.buckets) {
-        codec_.save(std::span<const float>(m_.grads.data() + first, last - first), out, dg_.space());
-        out += Codec::state_floats(last - first);
-      }
-      LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(dg_.stream()));
-    }
-    return mine;
-  }
+  std::vector<float> params() { return step_.download(m_.params.data(), m_.L.total); }
+  std::vector<float> momentum() { return step_.momentum(); }
+  std::vector<float> residuals() { return step_.residuals(m_.grads.data()); }
 
   void restore(const checkpoint& c, int rank, int R, const std::string& path) {
-    check_checkpoint_sizes(c, m_.L.total, m_.running.size(), v_.size(), path);
+    check_checkpoint_sizes(c, m_.L.total, m_.running.size(), step_.momentum_size(), path);
     gpu::model_set_params(m_, c.params);
     m_.running = c.running;
-    const cudaStream_t comm = dg_.stream();
-    if (v_.size())
-      LOCKSTEP_SAMPLE_CHECK(
-          cudaMemcpyAsync(v_.data(), c.momentum.data(), v_.size() * sizeof(float), cudaMemcpyHostToDevice, comm));
-    if constexpr (has_residuals) {
-      const float* r = checkpoint_residuals(c, m_.L.total, rank, R, path);
-      for (auto [first, last] : m_.L.buckets) {
-        codec_.load(std::span<const float>(m_.grads.data() + first, last - first), r, dg_.space());
-        r += Codec::state_floats(last - first);
-      }
-    }
-    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(comm));
+    step_.set_momentum(c.momentum);
+    if constexpr (has_residuals)
+      step_.restore_residuals(m_.grads.data(), checkpoint_residuals(c, m_.L.total, rank, R, path));
   }
 
  private:
-  void after_update(cudaStream_t s) { LOCKSTEP_SAMPLE_CHECK(cudaStreamWaitEvent(s, updated_.get(), 0)); }
-
-  std::vector<float> download(const float* d, std::size_t n) {
-    std::vector<float> h(n);
-    const cudaStream_t s = gpu::cuda_ctx().stream;
-    after_update(s);
-    if (n) LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, s));
-    LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(s));
-    return h;
-  }
-
-  DeviceGroup& dg_;
-  Topo topo_;
-  Codec& codec_;
-  Opt opt_;
   gpu::model m_;
-  lockstep::optim::param_set ps_;
-  lockstep::device::param_table table_;
-  gpu::dbuf<float> v_;  // momentum, on the device
-  std::vector<lockstep::optim::bucket> buckets_;  // (bucket) the model's, in the order backward writes them
-  std::vector<lockstep::device::event> ready_;  // per bucket: its gradients are written
-  lockstep::device::event updated_;             // the last update is done
+  sample::gpu::device_bucketed_step<DeviceGroup, Topo, Codec, Opt> step_;  // after m_: waits before m_ goes
 };
 
 // One replica of a run on a GPU, the policies named by the flags: host group `host` for batch norm

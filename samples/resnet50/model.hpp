@@ -97,9 +97,6 @@ model<T> model_create(const config& cfg, std::uint64_t seed) {
 }
 
 inline conv_shape shape_of(const conv_bn& c, int B) { return {B, c.C, c.H, c.W, c.K, c.R, c.S}; }
-inline std::size_t out_elems(const conv_bn& c, int B) {
-  return static_cast<std::size_t>(B) * c.OH() * c.OW() * c.K;
-}
 
 template <class T>
 void acts_resize(conv_bn_acts<T>& a, const conv_bn& c, int B, bool relu) {
@@ -119,7 +116,6 @@ void model_resize(model<T>& m, int B) {
   const std::size_t pooled = static_cast<std::size_t>(B) * L.pool_side * L.pool_side * stem_channels;
   m.pool.assign(pooled, T{});
   m.pool_which.assign(pooled, 0);
-  std::size_t biggest = out_elems(L.stem, B);
   for (int b = 0; b < nblocks; ++b) {
     const block_info& bi = L.blocks[b];
     block_acts<T>& a = m.blocks[b];
@@ -128,9 +124,8 @@ void model_resize(model<T>& m, int B) {
     acts_resize(a.c3, bi.c3, B, false);
     if (bi.has_down) acts_resize(a.down, bi.down, B, false);
     a.out.assign(out_elems(bi.c3, B), T{});
-    biggest = std::max({biggest, out_elems(bi.c1, B), out_elems(bi.c3, B),
-                        static_cast<std::size_t>(B) * bi.c1.H * bi.c1.W * bi.c1.C});
   }
+  const std::size_t biggest = gradient_elems(L, B);
   m.feat.assign(static_cast<std::size_t>(B) * features, T{});
   m.logits.assign(static_cast<std::size_t>(B) * m.cfg.classes, 0.0f);
   m.probs.assign(m.logits.size(), 0.0f);

@@ -12,6 +12,7 @@
 // each bottleneck, the classifier, in layout order.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -117,6 +118,19 @@ inline layout make_layout(const config& cfg) {
   L.fc_b = add("fc.bias", static_cast<std::size_t>(cfg.classes), true);
   L.buckets.push_back({first, L.total});
   return L;
+}
+
+// Activation sizes, shared by the backends' model_resize: a convolution's output for batch B, and
+// the largest activation gradient (the size of each gradient scratch buffer).
+inline std::size_t out_elems(const conv_bn& c, int B) {
+  return static_cast<std::size_t>(B) * c.OH() * c.OW() * c.K;
+}
+inline std::size_t gradient_elems(const layout& L, int B) {
+  std::size_t biggest = out_elems(L.stem, B);
+  for (const block_info& bi : L.blocks)
+    biggest = std::max({biggest, out_elems(bi.c1, B), out_elems(bi.c3, B),
+                        static_cast<std::size_t>(B) * bi.c1.H * bi.c1.W * bi.c1.C});
+  return biggest;
 }
 
 // Fresh parameters as torchvision initialises resnet50: convolutions He-normal with fan-out

@@ -10,6 +10,8 @@
 // shared with the Fashion sample).
 #pragma once
 
+#include <dnnl.h>
+
 #include <algorithm>
 #include <span>
 #include <vector>
@@ -19,6 +21,24 @@
 #include "trainer.hpp"
 
 namespace resnet {
+
+// The ISA oneDNN dispatches to on this CPU (its kernels for bf16 need avx512_core_bf16 or amx to
+// run natively; below that it emulates bf16 on AVX-512 or falls back to reference code).
+inline const char* dnnl_isa_name() {
+  switch (dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_sse41: return "sse41";
+    case dnnl_cpu_isa_avx: return "avx";
+    case dnnl_cpu_isa_avx2: return "avx2";
+    case dnnl_cpu_isa_avx512_mic: return "avx512_mic";
+    case dnnl_cpu_isa_avx512_mic_4ops: return "avx512_mic_4ops";
+    case dnnl_cpu_isa_avx512_core: return "avx512_core";
+    case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
+    case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
+    default: return "other";
+  }
+}
 
 // T: float (--precision fp32) or bf16_t (--precision bf16).
 template <class Group, class Topo, class Codec, class Opt, class T>

@@ -19,8 +19,6 @@
 // (the CSV's val columns are nan).
 #pragma once
 
-#include <dnnl.h>
-
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -192,27 +190,9 @@ inline void write_plot(const std::string& dir, bool run_gnuplot) {
                      run_gnuplot);
 }
 
-// The ISA oneDNN dispatches to on this CPU (its kernels for bf16 need avx512_core_bf16 or amx to
-// run natively; below that it emulates bf16 on AVX-512 or falls back to reference code).
-inline const char* dnnl_isa_name() {
-  switch (dnnl_get_effective_cpu_isa()) {
-    case dnnl_cpu_isa_sse41: return "sse41";
-    case dnnl_cpu_isa_avx: return "avx";
-    case dnnl_cpu_isa_avx2: return "avx2";
-    case dnnl_cpu_isa_avx512_mic: return "avx512_mic";
-    case dnnl_cpu_isa_avx512_mic_4ops: return "avx512_mic_4ops";
-    case dnnl_cpu_isa_avx512_core: return "avx512_core";
-    case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
-    case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
-    case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
-    case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
-    default: return "other";
-  }
-}
-
 // ----------------------------------------------------------------------------------------------
 // One replica's training loop, for every backend. A Replica holds the model, the gradient
-// synchronisation and the optimizer state of one replica (replica_cpu.hpp). It provides
+// synchronisation and the optimizer state of one replica (replica_cpu.hpp, replica_cuda.cuh). It provides
 //   float train_step(const float* images, const int* labels, int B, const bn_group&, float lr)
 //   float evaluate(const float* images, const int* labels, int B, int valid, const bn_group&, int* top1, int* top5)
 //   std::span<float> running(); std::vector<float> params(), momentum(), residuals()

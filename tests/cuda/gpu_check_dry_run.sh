@@ -16,7 +16,7 @@ if ! "$root/scripts/gpu-carry" --no-install "$work/carry" > "$work/carry.log" 2>
 fi
 # lockstep_torch's step wants a python3 with torch, as the lent machine's pip one: Debian's here
 # (/usr/bin/python3; the PATH's python3 may be another). Without one the step is left out.
-steps=tests,bench,train
+steps=tests,bench,train,resnet
 if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   export LOCKSTEP_PYTHON=/usr/bin/python3
   steps+=,torch

@@ -1,0 +1,121 @@
+// samples/resnet50/layers_math.hpp: the element math of ResNet-50's own kernels, written once for
+// both backends.
+//
+// Purpose: the oneDNN backend (layers_cpu.hpp) and the cuDNN backend (layers_cuda.cuh) differ in
+// who runs convolutions and the classifier, but batch norm (+ ReLU), a bottleneck's end (batch
+// norm, residual add, ReLU), 3x3/2 max pooling and global average pooling are own kernels on both.
+// Their per-element arithmetic lives here as LOCKSTEP_HD functions, so the CPU tests (finite
+// differences, torch) cover what the GPU runs; the backends differ only where a kernel sums many
+// elements (batch norm's per-channel sums: chunks on the CPU, a CUDA block per channel on the GPU).
+// Max pooling's backward gathers each input cell's gradient from the outputs whose windows cover
+// it, in output order, so both backends add the same terms in the same order.
+//
+// Shape legend (NHWC): H,W input side, OH,OW output side, C channels; an image is (H, W, C).
+#pragma once
+
+#include <lockstep/codec/bf16.hpp>
+#include <lockstep/core/config.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/batch_norm.hpp"
+
+namespace resnet {
+
+using bf16_t = std::uint16_t;  // bf16 bits, what convolutions read under --precision bf16
+
+// An activation stored as T (float, or bf16 rounded to nearest even) and read back as fp32.
+template <class T>
+LOCKSTEP_HD inline T store_as(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return lockstep::codec::bf16::to_wire(x);
+}
+LOCKSTEP_HD inline float load(float x) { return x; }
+LOCKSTEP_HD inline float load(bf16_t x) { return lockstep::codec::bf16::from_wire(x); }
+
+// ----------------------------------------------------------------------------------------------
+// Batch norm (sample::bn_fold's a = gamma rstd, c = beta - mean a), with or without the ReLU.
+
+LOCKSTEP_HD inline float bn_apply(float x, sample::bn_affine f, bool relu) {
+  const float y = x * f.a + f.c;
+  return relu ? (y > 0.0f ? y : 0.0f) : y;
+}
+
+// dy, the gradient before the ReLU (g without it).
+LOCKSTEP_HD inline float bn_dy(float x, float g, sample::bn_affine f, bool relu) {
+  return !relu || x * f.a + f.c > 0.0f ? g : 0.0f;
+}
+
+// dx = a (dy - mean(dy) - xhat mean(dy xhat)), the means over the group.
+LOCKSTEP_HD inline float bn_dx(float x, float g, sample::bn_affine f, float mean, float rstd, float mean_dy,
+                               float mean_dyx, bool relu) {
+  return f.a * (bn_dy(x, g, f, relu) - mean_dy - sample::bn_xhat(x, mean, rstd) * mean_dyx);
+}
+
+// ----------------------------------------------------------------------------------------------
+// A bottleneck's end: max(0, BN(x) + shortcut), the shortcut the block's input or BN_d(xd).
+
+LOCKSTEP_HD inline float bn_add_relu(float x, sample::bn_affine f, float shortcut) {
+  const float y = x * f.a + f.c + shortcut;
+  return y > 0.0f ? y : 0.0f;
+}
+
+LOCKSTEP_HD inline float bn_add_bn_relu(float x, sample::bn_affine f, float xd, sample::bn_affine fd) {
+  const float y = x * f.a + f.c + xd * fd.a + fd.c;
+  return y > 0.0f ? y : 0.0f;
+}
+
+// Its backward's first step: the gradient of both summands, where the output was positive.
+LOCKSTEP_HD inline float add_relu_grad(float out, float g) { return out > 0.0f ? g : 0.0f; }
+
+// ----------------------------------------------------------------------------------------------
+// maxpool3x3: 3x3 windows, stride 2, padding 1 (padding never wins). `which` (0..8) says which
+// cell of the window won, the first in row-major order on ties.
+
+LOCKSTEP_HD inline int pool3_out(int n) { return (n + 2 - 3) / 2 + 1; }
+
+// Output (oy, ox, c) of one image (H, W, C) of T.
+template <class T>
+LOCKSTEP_HD inline float maxpool3_cell(const T* img, int H, int W, int C, int oy, int ox, int c, std::uint8_t* which) {
+  float best = -INFINITY;
+  std::uint8_t w = 0;
+  for (int k = 0; k < 9; ++k) {
+    const int iy = 2 * oy - 1 + k / 3, ix = 2 * ox - 1 + k % 3;
+    if (iy < 0 || iy >= H || ix < 0 || ix >= W) continue;
+    const float v = load(img[(static_cast<std::size_t>(iy) * W + ix) * C + c]);
+    if (v > best) best = v, w = static_cast<std::uint8_t>(k);
+  }
+  *which = w;
+  return best;
+}
+
+// The gradient of input cell (iy, ix, c) of one image: the sum of the output gradients (OH, OW, C)
+// whose window it won, in output order (oy, then ox). Windows of oy cover rows 2oy-1 .. 2oy+1.
+LOCKSTEP_HD inline float maxpool3_gather(const float* dout, const std::uint8_t* which, int OH, int OW, int C, int iy,
+                                         int ix, int c) {
+  float s = 0.0f;
+  const int oy1 = (iy + 1) / 2 < OH - 1 ? (iy + 1) / 2 : OH - 1, ox1 = (ix + 1) / 2 < OW - 1 ? (ix + 1) / 2 : OW - 1;
+  for (int oy = iy / 2; oy <= oy1; ++oy)
+    for (int ox = ix / 2; ox <= ox1; ++ox) {
+      const std::size_t o = (static_cast<std::size_t>(oy) * OW + ox) * C + c;
+      const int k = which[o];
+      if (2 * oy - 1 + k / 3 == iy && 2 * ox - 1 + k % 3 == ix) s += dout[o];
+    }
+  return s;
+}
+
+// ----------------------------------------------------------------------------------------------
+// global_avgpool: the mean of channel c over the HW cells of one image (HW, C), summed in cell order.
+
+template <class T>
+LOCKSTEP_HD inline float avgpool_cell(const T* img, int HW, int C, int c) {
+  float acc = 0.0f;
+  for (int i = 0; i < HW; ++i) acc += load(img[static_cast<std::size_t>(i) * C + c]);
+  return acc / HW;
+}
+
+LOCKSTEP_HD inline float avgpool_grad(float dout, int HW) { return dout * (1.0f / HW); }
+
+}  // namespace resnet
