@@ -32,6 +32,7 @@
 #include <vector>
 
 #include <lockstep/device/runtime.hpp>
+#include <lockstep/parallel/gemm.hpp>
 
 #include "layers_math.hpp"
 
@@ -272,6 +273,19 @@ inline void linear_backward(float* dinp, float* dweight, float* dbias, const flo
       cublasSgemm(ctx.blas, CUBLAS_OP_N, CUBLAS_OP_N, F, B, NC, &one, weight, F, dout, NC, &zero, dinp, F));
   bias_grad_kernel<<<(NC + 255) / 256, 256, 0, ctx.stream>>>(dbias, dout, B, NC);
   LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
+}
+
+// One row-major product of lockstep::parallel (gemm_args: C = op(A) op(B) + beta C) on cuBLAS,
+// enqueued on this thread's stream: column-major cuBLAS sees each row-major matrix transposed, so
+// C^T (n, m) = op(B)^T (n, k) op(A)^T (k, m) is gemm(op_b, op_a) with the operands swapped. The
+// model-parallel layers' matmul on a stream-ordered group (their compute stream: cuda_ctx().stream).
+inline void sgemm(const lockstep::parallel::gemm_args& a) {
+  if (a.m == 0 || a.n == 0) return;
+  const float one = 1.0f;
+  LOCKSTEP_SAMPLE_CHECK(cublasSgemm(cuda_ctx().blas, a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    static_cast<int>(a.n), static_cast<int>(a.m), static_cast<int>(a.k), &one, a.b,
+                                    static_cast<int>(a.ldb), a.a, static_cast<int>(a.lda), &a.beta, a.c,
+                                    static_cast<int>(a.ldc)));
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -3,15 +3,21 @@
 // checks as the oneDNN backend's tests (fashion_gradcheck.hpp). Inputs live on the host and are
 // copied to the device for every evaluation, so the checks read exactly as on the CPU. Also: the
 // GPU model starts from the same parameters as the CPU one for a seed, and two identical steps
-// give bit-identical gradients (the deterministic algorithms the resume guarantee needs).
+// give bit-identical gradients (the deterministic algorithms the resume guarantee needs). And the
+// hybrid head's products: lockstep::parallel's column- and row-split layers over inproc_device with
+// gpu::sgemm (cuBLAS) on each rank's model stream, against the host tests' fp64 reference.
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include <lockstep/lockstep.hpp>
+#include <lockstep/transport/inproc_device.hpp>
+
 #include "../../samples/fashion_cnn/model_cuda.cuh"
 #include "../fashion_gradcheck.hpp"
+#include "../parallel_reference.hpp"
 #include "common.hpp"
 
 using namespace fashion;
@@ -177,4 +183,69 @@ TEST_CASE("the whole GPU model's parameter gradients match finite differences", 
     check_gradient(p, g, f, 8, 1e-3f, 26, 3e-2);
     params = saved;
   }
+}
+
+namespace {
+
+// tests/test_parallel.cpp's stack (parallel_reference.hpp) on the GPU: ranks as threads on this
+// GPU (inproc_device), each layer's collectives on the group's stream and its products cuBLAS on the
+// rank's model stream (cuda_ctx()), ordered by events; inputs uploaded, results downloaded once
+// the whole stack is enqueued. The same bounds as on the CPU.
+template <class S, class C>
+void parallel_stack(const lockstep_test::parallel_reference::problem& p) {
+  using namespace lockstep_test::parallel_reference;
+  using Tr = lockstep::transport::inproc_device;
+  std::vector<rank_out> outs(p.rows.size());
+  lockstep::group_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  lockstep::run_inproc_device(static_cast<int>(p.rows.size()), [&](lockstep::group<Tr>& g) {
+    const auto k = static_cast<std::size_t>(g.rank());
+    lockstep::parallel::column_linear<S, Tr, C> fc1(g, p.in, p.hid);
+    lockstep::parallel::row_linear<S, Tr, C> fc2(g, p.hid, p.out);
+    fc1.set_compute_stream(stream());
+    fc2.set_compute_stream(stream());
+    const std::size_t nc = fc1.cols(), nr = p.rows[k];
+    const rank_in in = rank_inputs(p, k, fc1.first_col(), nc);
+    auto x = up(in.x), w1 = up(in.w1), w2 = up(in.w2), dy2 = up(in.dy2);
+    auto dspan = [](auto& b) { return std::span<float>(b.data(), b.size()); };
+    const auto y1 = fc1.forward(dspan(x), dspan(w1), gpu::sgemm);
+    const auto y2 = fc2.forward(y1, nr, dspan(w2), gpu::sgemm);
+    const std::size_t B = fc1.rows().total();
+    lockstep::device::buffer<float> dh(B * nc, stream()), dw2(nc * p.out, stream()), dw1(p.in * nc, stream()),
+        dx(nr * p.in, stream());
+    fc2.backward(y1, dspan(dy2), dspan(w2), dspan(dw2), dspan(dh), gpu::sgemm);
+    fc1.backward(dspan(dh), dspan(w1), dspan(dw1), dspan(dx), gpu::sgemm);
+    rank_out& o = outs[k];
+    o.first_col = fc1.first_col(), o.cols = nc;
+    o.x_used = down(fc1.inputs().data(), fc1.inputs().size());
+    o.y1 = down(y1.data(), y1.size());
+    o.y2 = down(y2.data(), y2.size());
+    o.dy_used = down(fc2.output_gradients().data(), fc2.output_gradients().size());
+    o.dh = down(dh.data(), dh.size());
+    o.dw2 = down(dw2.data(), dw2.size());
+    o.dw1 = down(dw1.data(), dw1.size());
+    o.dx = down(dx.data(), dx.size());
+  }, opt);
+  check_stack<C>(p, outs);
+}
+
+template <class S, class C>
+void parallel_sizes() {
+  for (std::size_t K = 1; K <= 4; ++K)
+    for (const auto& rows : lockstep_test::parallel_reference::row_patterns(K)) {
+      INFO("K = " << K << ", scheme " << S::name() << ", rows " << lockstep::detail::chunk_layout::from_counts(rows).str());
+      parallel_stack<S, C>({13, 10, 7, rows});
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("hybrid head on cuBLAS: column- then row-split FC over inproc_device, every scheme, 1..4 ranks, "
+                   "against one rank", "[fashion][cuda][parallel]", lockstep::codec::fp32, lockstep::codec::bf16,
+                   lockstep::codec::int8, lockstep::codec::dyntree8) {
+  parallel_sizes<lockstep::parallel::gather_all, TestType>();
+  parallel_sizes<lockstep::parallel::by_rank, TestType>();
+  parallel_sizes<lockstep::parallel::by_slice, TestType>();
+  parallel_stack<lockstep::parallel::by_slice, lockstep::codec::int8>({5, 3, 2, {2, 0, 1, 4}});  // empty products
+  parallel_stack<lockstep::parallel::by_rank, lockstep::codec::bf16>({300, 97, 11, {40, 7, 33}});
 }
