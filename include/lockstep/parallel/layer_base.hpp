@@ -69,8 +69,8 @@ class layer_base {
 
   // Stream-ordered groups: the stream the layer's inputs are ready on, its products are enqueued
   // on (the caller's matmul enqueues there) and its outputs are complete on: the compute stream.
-  // The group's own stream unless set; another (the model's stream) lets the rounds' collectives
-  // overlap the products (parallel/lanes.hpp).
+  // The group's own stream unless set (a null handle means that one too); another (the model's
+  // stream) lets the rounds' collectives overlap the products (parallel/lanes.hpp).
   void set_compute_stream(stream_type s)
     requires group_type::ordered
   {
