@@ -35,7 +35,7 @@ inline void usage(const char* program, const options& d) {
       "  --channels A,B,C      channels of the three conv blocks (default %d,%d,%d)\n"
       "  --label-smoothing E   target (1-E) on the label and E/10 spread over all classes (default %g)\n"
       "  --bn-group G          batch-norm statistics over G consecutive replicas; 1 = local (default %d)\n"
-      "  --fc H1,H2            AlexNet-like head: features -> FC H1 -> FC H2 -> classifier, ReLU between (CPU)\n"
+      "  --fc H1,H2            AlexNet-like head: features -> FC H1 -> FC H2 -> classifier, ReLU between\n"
       "\n"
       "data parallelism\n"
       "  --ranks N             replicas as threads of this process (default %d); under mpirun: the job size\n"

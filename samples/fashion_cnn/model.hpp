@@ -65,16 +65,7 @@ struct model {
   std::vector<float> h1, h2, d_h1, d_h2, d_features;
 };
 
-inline void model_bind(model& m) {
-  bind_tensors(m, m.params.data(), m.grads.data(), m.running.data());
-  if (m.cfg.has_head()) {
-    auto at = [&](const char* name, float* base) { return base + tensor_named(m.L, name).offset; };
-    m.fc1_w = at("fc1.w", m.params.data()), m.d_fc1_w = at("fc1.w", m.grads.data());
-    m.fc1_b = at("fc1.b", m.params.data()), m.d_fc1_b = at("fc1.b", m.grads.data());
-    m.fc2_w = at("fc2.w", m.params.data()), m.d_fc2_w = at("fc2.w", m.grads.data());
-    m.fc2_b = at("fc2.b", m.params.data()), m.d_fc2_b = at("fc2.b", m.grads.data());
-  }
-}
+inline void model_bind(model& m) { bind_tensors(m, m.params.data(), m.grads.data(), m.running.data()); }
 
 // A model with freshly initialised parameters (initial_parameters, model_layout.hpp).
 inline model model_create(const config& cfg, std::uint64_t seed) {

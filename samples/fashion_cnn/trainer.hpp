@@ -335,10 +335,10 @@ inline void validate(const options& o) {
   }
 }
 
-// The GPU trainer has neither the FC head nor hybrid parallelism (yet): say so instead of ignoring them.
+// The GPU trainer has no hybrid parallelism (yet): say so instead of ignoring it.
 inline void validate_gpu(const options& o) {
-  if (o.fc[0] > 0 || o.parallel != "data")
-    throw std::invalid_argument("--fc and --parallel are built for the CPU trainer only (lockstep-train-fashion)");
+  if (o.parallel != "data")
+    throw std::invalid_argument("--parallel " + o.parallel + " is built for the CPU trainer only (lockstep-train-fashion)");
 }
 
 // Loads the data set once for this process, keeping the first N images where the flags say so.

@@ -249,3 +249,43 @@ TEMPLATE_TEST_CASE("hybrid head on cuBLAS: column- then row-split FC over inproc
   parallel_stack<lockstep::parallel::by_slice, lockstep::codec::int8>({5, 3, 2, {2, 0, 1, 4}});  // empty products
   parallel_stack<lockstep::parallel::by_rank, lockstep::codec::bf16>({300, 97, 11, {40, 7, 33}});
 }
+
+TEST_CASE("the whole GPU model with the --fc head: gradients match finite differences, bucket order as on the CPU",
+          "[fashion][cuda]") {
+  config cfg;
+  cfg.channels = {4, 6, 8};
+  cfg.fc = {6, 5};
+  cfg.label_smoothing = 0.1f;
+  gpu::model m = gpu::model_create(cfg, 11);
+  const int B = 3;
+  auto images = randn(static_cast<std::size_t>(B) * 28 * 28, 27);
+  std::vector<int> labels{2, 5, 8};
+  const bn_group local;
+  std::vector<float> params = down(m.params.data(), m.L.total);
+  std::vector<float> host_params, host_running;
+  initial_parameters(cfg, m.L, 11, host_params, host_running);
+  CHECK(params == host_params);
+  auto loss = [&] {
+    gpu::model_set_params(m, params);
+    return static_cast<double>(gpu::model_forward(m, images.data(), labels.data(), B, local, true));
+  };
+  loss();
+  std::vector<int> order;
+  gpu::model_backward(m, local, [&](int b) { order.push_back(b); });
+  CHECK(order == std::vector<int>{3, 5, 4, 2, 1, 0});  // head bucket, fc2.w, fc1, blocks (model.hpp)
+  const std::vector<float> grads = down(m.grads.data(), m.L.total);
+  for (const auto& t : m.L.tensors) {
+    INFO("tensor " << t.name);
+    std::vector<float> p(params.begin() + static_cast<std::ptrdiff_t>(t.offset),
+                         params.begin() + static_cast<std::ptrdiff_t>(t.offset + t.size));
+    std::vector<float> g(grads.begin() + static_cast<std::ptrdiff_t>(t.offset),
+                         grads.begin() + static_cast<std::ptrdiff_t>(t.offset + t.size));
+    const std::vector<float> saved = params;
+    auto f = [&] {
+      std::copy(p.begin(), p.end(), params.begin() + static_cast<std::ptrdiff_t>(t.offset));
+      return loss();
+    };
+    check_gradient(p, g, f, 8, 1e-3f, 28, 3e-2);
+    params = saved;
+  }
+}
