@@ -203,4 +203,30 @@ inline void model_backward(model& m, const bn_group& group, const std::function<
   model_backward_features(m, m.d_features.data(), group, bucket_ready);
 }
 
+// The CPU backend of the hybrid head's orchestration (head_hybrid.hpp): oneDNN and the loops of
+// head_cpu.hpp on host memory.
+struct cpu_backend {
+  using model_type = model;
+  using buffer = std::vector<float>;
+  static float* resize(buffer& b, std::size_t n) {
+    b.assign(n, 0.0f);
+    return b.data();
+  }
+  static void sgemm(const lockstep::parallel::gemm_args& a) { fashion::sgemm(a); }
+  static void bias_relu_forward(float* y, const float* b, std::size_t rows, std::size_t n) {
+    fashion::bias_relu_forward(y, b, rows, n);
+  }
+  static void bias_relu_backward(float* dy, float* db, const float* y, std::size_t rows, std::size_t n) {
+    fashion::bias_relu_backward(dy, db, y, rows, n);
+  }
+  static void linear_forward(float* out, const float* inp, const float* w, const float* b, int B, int F, int NC) {
+    fashion::linear_forward(out, inp, w, b, B, F, NC);
+  }
+  static void linear_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
+                              int B, int F, int NC) {
+    fashion::linear_backward(dinp, dw, db, dout, inp, w, B, F, NC);
+  }
+  static void copy(float* dst, const float* src, std::size_t n) { std::copy(src, src + n, dst); }
+};
+
 }  // namespace fashion

@@ -217,4 +217,35 @@ inline void model_backward(model& m, const bn_group& group, const std::function<
   model_backward_features(m, m.d_features.data(), group, bucket_ready);
 }
 
+// The GPU backend of the hybrid head's orchestration (head_hybrid.hpp): cuBLAS and
+// layers_cuda.cuh's kernels on device memory, everything on this thread's stream (cuda_ctx()),
+// which the split layers' products join.
+struct backend {
+  using model_type = model;
+  using buffer = dbuf<float>;
+  static float* resize(buffer& b, std::size_t n) {  // uninitialised; grows only
+    if (b.size() < n) b = dbuf<float>(n, cuda_ctx().stream);
+    return b.data();
+  }
+  static void sgemm(const lockstep::parallel::gemm_args& a) { gpu::sgemm(a); }
+  static void bias_relu_forward(float* y, const float* b, std::size_t rows, std::size_t n) {
+    gpu::bias_relu_forward(y, b, rows, n);
+  }
+  static void bias_relu_backward(float* dy, float* db, const float* y, std::size_t rows, std::size_t n) {
+    gpu::bias_relu_backward(dy, db, y, rows, n);
+  }
+  static void linear_forward(float* out, const float* inp, const float* w, const float* b, int B, int F, int NC) {
+    gpu::linear_forward(out, inp, w, b, B, F, NC);
+  }
+  static void linear_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
+                              int B, int F, int NC) {
+    gpu::linear_backward(dinp, dw, db, dout, inp, w, B, F, NC);
+  }
+  static void copy(float* dst, const float* src, std::size_t n) {
+    if (n)
+      LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, cuda_ctx().stream));
+  }
+  static cudaStream_t compute_stream() { return cuda_ctx().stream; }
+};
+
 }  // namespace fashion::gpu

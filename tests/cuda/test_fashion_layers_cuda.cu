@@ -5,7 +5,8 @@
 // GPU model starts from the same parameters as the CPU one for a seed, and two identical steps
 // give bit-identical gradients (the deterministic algorithms the resume guarantee needs). And the
 // hybrid head's products: lockstep::parallel's column- and row-split layers over inproc_device with
-// gpu::sgemm (cuBLAS) on each rank's model stream, against the host tests' fp64 reference.
+// gpu::sgemm (cuBLAS) on each rank's model stream, against the host tests' fp64 reference; and the
+// sample's hybrid head (head_hybrid.hpp on gpu::backend) against the whole GPU head.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/transport/inproc_device.hpp>
 
+#include "../../samples/fashion_cnn/head_hybrid.hpp"
 #include "../../samples/fashion_cnn/model_cuda.cuh"
 #include "../fashion_gradcheck.hpp"
 #include "../parallel_reference.hpp"
@@ -287,5 +289,117 @@ TEST_CASE("the whole GPU model with the --fc head: gradients match finite differ
     };
     check_gradient(p, g, f, 8, 1e-3f, 28, 3e-2);
     params = saved;
+  }
+}
+
+namespace {
+
+// The hybrid head (head_hybrid.hpp with gpu::backend) over R ranks of inproc_device against the
+// whole head on one GPU model: the same features and logit gradients, rank k's rows of each. With
+// fp32 activations every output equals the whole head's up to summation order: logits and the
+// features' gradient (rank k's rows), fc2.b's and the classifier's gradients (rank k's rows' share:
+// compared summed over ranks), and the slices' gradients (rank k's columns of the whole).
+void hybrid_head_against_whole(const char* parallel, const std::vector<std::size_t>& rows) {
+  config cfg;
+  cfg.channels = {2, 2, 2};  // F = 32
+  cfg.fc = {7, 5};
+  const auto R = rows.size();
+  std::size_t all = 0;
+  for (auto r : rows) all += r;
+  gpu::model whole = gpu::model_create(cfg, 3);
+  const layout& L = whole.L;
+  const std::size_t F = L.features, H1 = 7, H2 = 5, NC = cfg.classes;
+  const auto x = randn(all * F, 31), dlogits = randn(all * NC, 32, 0.1f);
+  const std::vector<float> params = down(whole.params.data(), L.total);
+  // The whole head on every row.
+  gpu::model_resize(whole, static_cast<int>(all));
+  {
+    auto x_ = up(x), dl_ = up(dlogits);
+    gpu::fc_relu_forward(whole.h1.data(), x_.data(), whole.fc1_w, whole.fc1_b, all, F, H1);
+    gpu::fc_relu_forward(whole.h2.data(), whole.h1.data(), whole.fc2_w, whole.fc2_b, all, H1, H2);
+    gpu::linear_forward(whole.logits.data(), whole.h2.data(), whole.fc_w, whole.fc_b, static_cast<int>(all), int(H2), int(NC));
+    gpu::linear_backward(whole.d_h2.data(), whole.d_fc_w, whole.d_fc_b, dl_.data(), whole.h2.data(), whole.fc_w,
+                         static_cast<int>(all), int(H2), int(NC));
+    gpu::bias_relu_backward(whole.d_h2.data(), whole.d_fc2_b, whole.h2.data(), all, H2);
+    gpu::sgemm({true, false, H1, H2, all, whole.h1.data(), H1, whole.d_h2.data(), H2, 0.0f, whole.d_fc2_w, H2});
+    gpu::sgemm({false, true, all, H1, H2, whole.d_h2.data(), H2, whole.fc2_w, H2, 0.0f, whole.d_h1.data(), H1});
+    gpu::fc_relu_backward(whole.d_features.data(), whole.d_fc1_w, whole.d_fc1_b, whole.d_h1.data(), x_.data(),
+                          whole.h1.data(), whole.fc1_w, all, F, H1);
+  }
+  const auto logits = down(whole.logits.data(), all * NC), dfeat = down(whole.d_features.data(), all * F);
+  const auto grads = down(whole.grads.data(), L.total);
+  struct rank_out {
+    std::vector<float> logits, dfeat, grads, dw1, db1, dw2;
+    std::size_t c0 = 0, n = 0;
+  };
+  std::vector<rank_out> outs(R);
+  lockstep::group_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  lockstep::run_inproc_device(static_cast<int>(R), [&](lockstep::group<lockstep::transport::inproc_device>& g) {
+    const auto k = static_cast<std::size_t>(g.rank());
+    std::size_t r0 = 0;
+    for (std::size_t j = 0; j < k; ++j) r0 += rows[j];
+    const auto [c0, c1] = lockstep::chunk_range(H1, R, k);
+    const std::size_t n = c1 - c0, B = rows[k];
+    gpu::model m = gpu::model_create(cfg, 3);
+    gpu::model_resize(m, static_cast<int>(B));
+    std::vector<float> w1(F * n), b1(n), w2(n * H2);  // rank k's slices, as replica_hybrid_cuda.cuh extracts them
+    const float* W1 = params.data() + tensor_named(L, "fc1.w").offset;
+    for (std::size_t f = 0; f < F; ++f)
+      for (std::size_t j = 0; j < n; ++j) w1[f * n + j] = W1[f * H1 + c0 + j];
+    std::copy_n(params.data() + tensor_named(L, "fc1.b").offset + c0, n, b1.begin());
+    std::copy_n(params.data() + tensor_named(L, "fc2.w").offset + c0 * H2, n * H2, w2.begin());
+    auto head = make_hybrid_head<gpu::backend>(g, parallel, "fp32", 256, F, H1, H2);
+    auto x_ = up(std::vector<float>(x.begin() + static_cast<std::ptrdiff_t>(r0 * F),
+                                    x.begin() + static_cast<std::ptrdiff_t>((r0 + B) * F)));
+    auto dl_ = up(std::vector<float>(dlogits.begin() + static_cast<std::ptrdiff_t>(r0 * NC),
+                                     dlogits.begin() + static_cast<std::ptrdiff_t>((r0 + B) * NC)));
+    auto w1_ = up(w1), b1_ = up(b1), w2_ = up(w2);
+    lockstep::device::buffer<float> dw1(F * n, stream()), db1(n, stream()), dw2(n * H2, stream());
+    head->forward(m, x_.data(), w1_.data(), b1_.data(), w2_.data());
+    int ready = 0;
+    head->backward(m, dl_.data(), w1_.data(), w2_.data(), dw1.data(), db1.data(), dw2.data(), [&] { ++ready; });
+    rank_out& o = outs[k];
+    o.c0 = c0, o.n = n;
+    o.logits = down(m.logits.data(), B * NC);
+    o.dfeat = down(m.d_features.data(), B * F);
+    o.grads = down(m.grads.data(), L.total);
+    o.dw1 = down(dw1.data(), dw1.size()), o.db1 = down(db1.data(), n), o.dw2 = down(dw2.data(), dw2.size());
+    CHECK(ready == 1);
+  }, opt);
+  auto near = [](float a, float b) { return std::fabs(a - b) <= 1e-4f * (1.0f + std::fabs(b)); };
+  std::size_t r0 = 0, bad = 0;
+  for (std::size_t k = 0; k < R; ++k) {
+    const rank_out& o = outs[k];
+    for (std::size_t i = 0; i < rows[k] * NC; ++i) bad += !near(o.logits[i], logits[r0 * NC + i]);
+    for (std::size_t i = 0; i < rows[k] * F; ++i) bad += !near(o.dfeat[i], dfeat[r0 * F + i]);
+    const float* W1 = grads.data() + tensor_named(L, "fc1.w").offset;
+    for (std::size_t f = 0; f < F; ++f)
+      for (std::size_t j = 0; j < o.n; ++j) bad += !near(o.dw1[f * o.n + j], W1[f * H1 + o.c0 + j]);
+    for (std::size_t j = 0; j < o.n; ++j) bad += !near(o.db1[j], grads[tensor_named(L, "fc1.b").offset + o.c0 + j]);
+    for (std::size_t i = 0; i < o.n * H2; ++i)
+      bad += !near(o.dw2[i], grads[tensor_named(L, "fc2.w").offset + o.c0 * H2 + i]);
+    r0 += rows[k];
+  }
+  for (const char* name : {"fc2.b", "fc.w", "fc.b"}) {  // data-parallel: each rank's rows' share, summed
+    const tensor_info& t = tensor_named(L, name);
+    for (std::size_t i = 0; i < t.size; ++i) {
+      float s = 0.0f;
+      for (const rank_out& o : outs) s += o.grads[t.offset + i];
+      bad += !near(s, grads[t.offset + i]);
+    }
+  }
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("hybrid head on the GPU backend (head_hybrid.hpp, gpu::backend) equals the whole GPU head, fp32, 1..3 ranks",
+          "[fashion][cuda][parallel]") {
+  for (const auto& rows : std::vector<std::vector<std::size_t>>{{4}, {3, 2}, {2, 3, 1}, {1, 3, 2}}) {
+    for (const char* parallel : {"hybrid-a", "hybrid-b", "hybrid-c"}) {
+      INFO(parallel << ", " << rows.size() << " ranks, rows " << rows[0] << "...");
+      hybrid_head_against_whole(parallel, rows);
+    }
   }
 }
