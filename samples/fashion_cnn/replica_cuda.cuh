@@ -22,6 +22,7 @@
 #include <lockstep/transport/inproc_device.hpp>
 
 #include "model_cuda.cuh"
+#include "replica_hybrid_cuda.cuh"
 #include "trainer.hpp"
 
 namespace fashion {
@@ -147,20 +148,29 @@ class gpu_replica {
 };
 
 // One replica of a run on a GPU, the policies named by the flags: host group `host` for batch norm
-// and the test sums, device group `dg` for the gradients.
+// and the test sums, device group `dg` for the gradients (and, with --parallel hybrid-a|b|c, the
+// split layers' activations: replica_hybrid_cuda.cuh).
 template <class HostGroup, class DeviceGroup>
 void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, const shared_data& data,
                          run_result& result) {
   with_policies(o, [&](auto topo, auto& codec, auto opt) {
-    gpu_replica<DeviceGroup, decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(dg, o, topo,
-                                                                                                        codec, opt);
-    try {
-      train_replica(host, o, data, rep, result);
-    } catch (const std::exception& e) {
-      // Before the replica's buffers go: the peers may be waiting on the device transport (or
-      // reading this replica's memory), which the host group's abort does not reach.
-      dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
-      throw;
+    using C = std::remove_reference_t<decltype(codec)>;
+    auto run = [&](auto& rep) {
+      try {
+        train_replica(host, o, data, rep, result);
+      } catch (const std::exception& e) {
+        // Before the replica's buffers go: the peers may be waiting on the device transport (or
+        // reading this replica's memory), which the host group's abort does not reach.
+        dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
+        throw;
+      }
+    };
+    if (o.parallel == "data") {
+      gpu_replica<DeviceGroup, decltype(topo), C, decltype(opt)> rep(dg, o, topo, codec, opt);
+      run(rep);
+    } else {
+      gpu_hybrid_replica<DeviceGroup, decltype(topo), C, decltype(opt)> rep(dg, o, topo, codec, opt);
+      run(rep);
     }
   });
 }
