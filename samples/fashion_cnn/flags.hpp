@@ -46,7 +46,7 @@ inline void usage(const char* program, const options& d) {
       "  --codec-block N       elements per absmax scale of int8 and dyntree8 (default %zu)\n"
       "  --error-feedback      keep each rank's quantisation residual and add it to the next step's gradient\n"
       "\n"
-      "hybrid parallelism (Krizhevsky 2014; --fc; sgd or lars, on the GPU sgd)\n"
+      "hybrid parallelism (Krizhevsky 2014; --fc; sgd or lars)\n"
       "  --parallel P          data | hybrid-a (gather all rows) | hybrid-b (rank by rank) | hybrid-c (1/K of\n"
       "                        every rank's rows per round): fc1 and fc2 split over the ranks, activations\n"
       "                        travel instead of their weights (default data)\n"

@@ -181,7 +181,6 @@ void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, con
 // The host world's abort comes from run_inproc, the device world's from train_dispatch_cuda.
 inline run_result train_inproc_cuda(const options& o) {
   validate(o);
-  validate_gpu(o);
   std::filesystem::create_directories(o.out);
   const shared_data data = load_data(o);
   run_result result;

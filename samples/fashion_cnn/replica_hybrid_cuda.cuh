@@ -15,8 +15,10 @@
 // GPU and checkpoints hold the same model, in the same format, as a data-parallel run.
 // Gradient scale: a slice's gradient sums every rank's rows of per-replica mean losses, so the
 // update scales it by 1/R, which is what data-parallel averaging gives.
-// Limits: no error feedback; no optimizer that needs whole-tensor norms (LARS): device::update_async
-// would take the norms of this rank's slice, not of the tensor, so the constructor refuses it.
+// The slices' update is optim::split_update's on the device (split_update_cuda.cuh): with LARS
+// each trust ratio is the whole tensor's, from every rank's slices, so hybrid LARS trains the
+// data-parallel LARS model here too.
+// Limits: no error feedback.
 #pragma once
 
 #include <memory>
@@ -32,6 +34,7 @@
 
 #include "head_hybrid.hpp"
 #include "model_cuda.cuh"
+#include "split_update_cuda.cuh"
 #include "trainer.hpp"
 
 namespace fashion {
@@ -49,11 +52,7 @@ class gpu_hybrid_replica {
         c0_(lockstep::chunk_range(H1_, dg.size(), dg.rank()).first),
         n_(lockstep::chunk_range(H1_, dg.size(), dg.rank()).second - c0_),
         mp_ps_({{0, F_ * n_, false}, {F_ * n_, n_, true}, {F_ * n_ + n_, n_ * H2_, false}}),  // n_ >= 1: validate()
-        mp_table_(mp_ps_, dg.stream()) {
-    for (std::size_t t = 0; t < mp_ps_.tensor_count(); ++t)
-      if (opt_.sums(mp_ps_[t].exempt).any())
-        throw std::invalid_argument("--parallel hybrid-a|b|c on the GPU does not support an optimizer that needs "
-                                    "whole-tensor norms (--optimizer lars): use sgd, or the CPU trainer");
+        mp_update_(dg, opt, mp_ps_) {
     const cudaStream_t comm = dg.stream();
     const auto R = static_cast<std::size_t>(dg.size());
     for (std::size_t r = 0; r < R; ++r) {
@@ -111,10 +110,12 @@ class gpu_hybrid_replica {
                     [&] { ready(static_cast<std::size_t>(nblocks)); });
     gpu::model_backward_features(m_, m_.d_features.data(), bng, [&](int k) { ready(static_cast<std::size_t>(k)); });
     // This rank's slices, on the model's stream after their gradients (the split layers' backward
-    // leaves them complete in its order); the next forward reads them there.
-    lockstep::device::update_async(opt_, mp_table_, {lr, 1.0f / static_cast<float>(dg_.size())}, mp_w_.data(),
-                                   mp_g_.data(), mp_v_.size() ? mp_v_.data() : nullptr, compute);
+    // leaves them complete in its order); the next forward reads them there. With LARS the norms'
+    // all-gather follows the buckets already posted on the group's stream.
+    lockstep::request norms = mp_update_(lr, 1.0f / static_cast<float>(dg_.size()), mp_w_.data(), mp_g_.data(),
+                                         mp_v_.size() ? mp_v_.data() : nullptr, compute);
     s.wait();  // errors and timeouts of this step surface here
+    norms.wait();
     updated_.record(comm);
     return loss;
   }
@@ -167,6 +168,7 @@ class gpu_hybrid_replica {
       if (ti.offset < L.dp_end) t.push_back({ti.offset, ti.size, ti.plain});
     return t;
   }
+
 
   float* w1() { return mp_w_.data(); }
   float* b1() { return mp_w_.data() + F_ * n_; }
@@ -236,7 +238,7 @@ class gpu_hybrid_replica {
   lockstep::device::param_table dp_table_;
   std::size_t F_, H1_, H2_, c0_, n_;  // n_ of H1's columns from c0_ are this rank's
   lockstep::optim::param_set mp_ps_;
-  lockstep::device::param_table mp_table_;
+  gpu::split_update<DeviceGroup, Opt> mp_update_;  // the slices' optimizer step (split_update_cuda.cuh)
   gpu::dbuf<float> dp_v_;              // (dp_end): the data-parallel tensors' momentum
   gpu::dbuf<float> mp_w_, mp_g_, mp_v_;  // this rank's slices, their gradients and momentum (layout above)
   gpu::dbuf<float> whole_v_;           // (L.total): the whole model's momentum, as of end_epoch

@@ -43,7 +43,6 @@ int train_mpi_nccl(fashion::options o, int devices, int* argc, char*** argv) {
                              "replicas on one GPU)");
   LOCKSTEP_SAMPLE_CHECK(cudaSetDevice(local));
   fashion::validate(o);
-  fashion::validate_gpu(o);
   if (world.rank() == 0) std::filesystem::create_directories(o.out);
   const fashion::shared_data data = fashion::load_data(o);
   ncclUniqueId id{};

@@ -335,15 +335,6 @@ inline void validate(const options& o) {
   }
 }
 
-// What the GPU trainer lacks: hybrid runs with LARS (replica_hybrid_cuda.cuh would take the norms of
-// a rank's slice, not of the whole tensor). Say so instead of training something else.
-inline void validate_gpu(const options& o) {
-  if (o.parallel != "data" && o.optimizer == "lars")
-    throw std::invalid_argument("--parallel " + o.parallel +
-                                " with --optimizer lars is built for the CPU trainer only (lockstep-train-fashion): the "
-                                "GPU's split update has no whole-tensor norms yet");
-}
-
 // Loads the data set once for this process, keeping the first N images where the flags say so.
 inline shared_data load_data(const options& o) {
   shared_data d{sample::load_idx_pair(o.data, "train"), sample::load_idx_pair(o.data, "t10k")};

@@ -6,7 +6,8 @@
 // give bit-identical gradients (the deterministic algorithms the resume guarantee needs). And the
 // hybrid head's products: lockstep::parallel's column- and row-split layers over inproc_device with
 // gpu::sgemm (cuBLAS) on each rank's model stream, against the host tests' fp64 reference; and the
-// sample's hybrid head (head_hybrid.hpp on gpu::backend) against the whole GPU head.
+// sample's hybrid head (head_hybrid.hpp on gpu::backend) against the whole GPU head, and the
+// slices' LARS update (split_update_cuda.cuh) against the whole tensors' host update.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -14,10 +15,14 @@
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
+#include <lockstep/optim/lars.hpp>
+#include <lockstep/optim/state.hpp>
+#include <lockstep/optim/update.hpp>
 #include <lockstep/transport/inproc_device.hpp>
 
 #include "../../samples/fashion_cnn/head_hybrid.hpp"
 #include "../../samples/fashion_cnn/model_cuda.cuh"
+#include "../../samples/fashion_cnn/split_update_cuda.cuh"
 #include "../fashion_gradcheck.hpp"
 #include "../parallel_reference.hpp"
 #include "common.hpp"
@@ -401,5 +406,63 @@ TEST_CASE("hybrid head on the GPU backend (head_hybrid.hpp, gpu::backend) equals
       INFO(parallel << ", " << rows.size() << " ranks, rows " << rows[0] << "...");
       hybrid_head_against_whole(parallel, rows);
     }
+  }
+}
+
+TEST_CASE("gpu::split_update: LARS on slices over inproc_device, 1..3 ranks, equals the whole tensors' host update",
+          "[fashion][cuda][optim]") {
+  // Three tensors as the hybrid replica's (w1 (F, n_k), b1 (n_k) exempt, w2 (n_k, H2)). The update is
+  // per element given each tensor's coefficients, so the whole tensors are laid out here rank by
+  // rank (rank k's slice of each tensor contiguous): only the norms need every rank's slices.
+  const std::size_t F = 6, H1 = 7, H2 = 5;
+  lockstep::optim::lars opt;
+  opt.weight_decay = 1e-3f;
+  for (std::size_t R = 1; R <= 3; ++R) {
+    INFO(R << " ranks");
+    std::vector<std::size_t> first(R), cols(R);
+    for (std::size_t k = 0; k < R; ++k) {
+      const auto [lo, hi] = lockstep::chunk_range(H1, R, k);
+      first[k] = lo, cols[k] = hi - lo;
+    }
+    const std::size_t t0 = 0, t1 = F * H1, t2 = t1 + H1, total = t2 + H1 * H2;
+    const lockstep::optim::param_set whole({{t0, F * H1, false}, {t1, H1, true}, {t2, H1 * H2, false}});
+    const auto w0 = randn(total, 40, 0.5f), g = randn(total, 41, 0.1f);
+    // The reference: two steps of the whole tensors on the host, gradients summed over R ranks (scale 1/R).
+    std::vector<float> ref = w0;
+    lockstep::optim::state st(whole, opt);
+    for (int step = 0; step < 2; ++step)
+      lockstep::optim::update(opt, whole, std::span<float>(ref), std::span<const float>(g), st,
+                              {0.1f, 1.0f / static_cast<float>(R)});
+    std::vector<float> got(total, 0.0f), got_v(total, 0.0f);
+    lockstep::group_options gopt;
+    gopt.timeout = std::chrono::seconds(60);
+    lockstep::run_inproc_device(static_cast<int>(R), [&](lockstep::group<lockstep::transport::inproc_device>& grp) {
+      const auto k = static_cast<std::size_t>(grp.rank());
+      const std::size_t n = cols[k];
+      // Where rank k's piece of each tensor lies in `whole`: offset, length.
+      const std::size_t at[3] = {t0 + F * first[k], t1 + first[k], t2 + first[k] * H2}, len[3] = {F * n, n, n * H2};
+      const lockstep::optim::param_set mine({{0, len[0], false}, {len[0], len[1], true}, {len[0] + len[1], len[2], false}});
+      std::vector<float> w, gr;
+      for (int t = 0; t < 3; ++t) {
+        w.insert(w.end(), w0.begin() + static_cast<std::ptrdiff_t>(at[t]), w0.begin() + static_cast<std::ptrdiff_t>(at[t] + len[t]));
+        gr.insert(gr.end(), g.begin() + static_cast<std::ptrdiff_t>(at[t]), g.begin() + static_cast<std::ptrdiff_t>(at[t] + len[t]));
+      }
+      auto w_ = up(w), g_ = up(gr), v_ = up(std::vector<float>(w.size(), 0.0f));
+      gpu::split_update<lockstep::group<lockstep::transport::inproc_device>, lockstep::optim::lars> upd(grp, opt, mine);
+      for (int step = 0; step < 2; ++step)
+        upd(0.1f, 1.0f / static_cast<float>(R), w_.data(), g_.data(), v_.data(), stream()).wait();
+      const auto wd = down(w_.data(), w.size()), vd = down(v_.data(), w.size());
+      std::size_t from = 0;
+      for (int t = 0; t < 3; ++t) {  // disjoint pieces per rank: no two threads write one element
+        std::copy_n(wd.begin() + static_cast<std::ptrdiff_t>(from), len[t], got.begin() + static_cast<std::ptrdiff_t>(at[t]));
+        std::copy_n(vd.begin() + static_cast<std::ptrdiff_t>(from), len[t], got_v.begin() + static_cast<std::ptrdiff_t>(at[t]));
+        from += len[t];
+      }
+    }, gopt);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < total; ++i) bad += !(std::fabs(got[i] - ref[i]) <= 1e-6f * (1.0f + std::fabs(ref[i])));
+    const std::span<const float> ref_v = st.momentum();
+    for (std::size_t i = 0; i < total; ++i) bad += !(std::fabs(got_v[i] - ref_v[i]) <= 1e-6f * (1.0f + std::fabs(ref_v[i])));
+    CHECK(bad == 0);
   }
 }
