@@ -3,8 +3,8 @@
 // fc2's bias and the classifier are data-parallel (lockstep's bucketed fused step with a
 // device::plan over the prefix [0, dp_end), as replica_cuda.cuh over the whole block); fc1 and fc2
 // are model-parallel (head_hybrid.hpp with gpu::backend): rank k holds its slices in device memory,
-// computes their gradients over every rank's rows and updates them with device::update_async on
-// the model's stream — those weights are never all-reduced.
+// computes their gradients over every rank's rows and updates them on the model's stream (below) —
+// those weights are never all-reduced.
 //
 // Streams as in replica_cuda.cuh: the model and the split layers' products on the model's stream
 // (cuda_ctx()), the collectives (buckets and the split layers' rounds) on the device group's.
