@@ -257,6 +257,42 @@ TEMPLATE_TEST_CASE("hybrid head on cuBLAS: column- then row-split FC over inproc
   parallel_stack<lockstep::parallel::by_rank, lockstep::codec::bf16>({300, 97, 11, {40, 7, 33}});
 }
 
+TEST_CASE("GPU fc_relu (the --fc head's layer) against the CPU head's arithmetic on the host", "[fashion][cuda]") {
+  // head_cpu.hpp's fc_relu_forward / _backward, written out in fp64 with the shared element math
+  // (bias_relu, relu_back): the GPU may differ in summation order only.
+  const std::size_t B = 5, in = 9, out = 7;
+  const auto x = randn(B * in, 50), w = randn(in * out, 51, 0.4f), b = randn(out, 52, 0.3f), dy = randn(B * out, 53);
+  std::vector<float> y(B * out), d(B * out), dx(B * in, 0.0f), dw(in * out, 0.0f), db(out, 0.0f);
+  for (std::size_t i = 0; i < B; ++i)
+    for (std::size_t j = 0; j < out; ++j) {
+      double v = 0;
+      for (std::size_t k = 0; k < in; ++k) v += double(x[i * in + k]) * w[k * out + j];
+      y[i * out + j] = bias_relu(static_cast<float>(v), b[j]);
+      d[i * out + j] = relu_back(dy[i * out + j], y[i * out + j]);
+      db[j] += d[i * out + j];
+    }
+  for (std::size_t i = 0; i < B; ++i)
+    for (std::size_t j = 0; j < out; ++j)
+      for (std::size_t k = 0; k < in; ++k) {
+        dw[k * out + j] += x[i * in + k] * d[i * out + j];
+        dx[i * in + k] += d[i * out + j] * w[k * out + j];
+      }
+  auto x_ = up(x), w_ = up(w), b_ = up(b), dy_ = up(dy);
+  lockstep::device::buffer<float> y_(B * out, stream()), dx_(B * in, stream()), dw_(in * out, stream()), db_(out, stream());
+  gpu::fc_relu_forward(y_.data(), x_.data(), w_.data(), b_.data(), B, in, out);
+  gpu::fc_relu_backward(dx_.data(), dw_.data(), db_.data(), dy_.data(), x_.data(), y_.data(), w_.data(), B, in, out);
+  auto near = [](const std::vector<float>& got, const std::vector<float>& want) {
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) bad += !(std::fabs(got[i] - want[i]) <= 1e-5f * (1.0f + std::fabs(want[i])));
+    return bad;
+  };
+  CHECK(near(down(y_.data(), y.size()), y) == 0);
+  CHECK(near(down(dy_.data(), d.size()), d) == 0);  // the pre-ReLU gradient, in place
+  CHECK(near(down(dx_.data(), dx.size()), dx) == 0);
+  CHECK(near(down(dw_.data(), dw.size()), dw) == 0);
+  CHECK(near(down(db_.data(), db.size()), db) == 0);
+}
+
 TEST_CASE("the whole GPU model with the --fc head: gradients match finite differences, bucket order as on the CPU",
           "[fashion][cuda]") {
   config cfg;
