@@ -104,42 +104,73 @@ struct problem {
   float dy2(std::size_t i, std::size_t o) const { return value(4, i * out + o); }
 };
 
+// Rank k's share of the problem: its rows of x (B_k x in) and dY2 (B_k x out), its columns
+// [c0, c0 + nc) of W1 (in x nc) and the same rows of W2 (nc x out).
+struct rank_in {
+  std::vector<float> x, w1, w2, dy2;
+};
+inline rank_in rank_inputs(const problem& p, std::size_t k, std::size_t c0, std::size_t nc) {
+  const std::size_t r0 = p.first(k), nr = p.rows[k];
+  rank_in in{std::vector<float>(nr * p.in), std::vector<float>(p.in * nc), std::vector<float>(nc * p.out),
+             std::vector<float>(nr * p.out)};
+  for (std::size_t i = 0; i < nr; ++i)
+    for (std::size_t f = 0; f < p.in; ++f) in.x[i * p.in + f] = p.x(r0 + i, f);
+  for (std::size_t f = 0; f < p.in; ++f)
+    for (std::size_t j = 0; j < nc; ++j) in.w1[f * nc + j] = p.w1(f, c0 + j);
+  for (std::size_t j = 0; j < nc; ++j)
+    for (std::size_t o = 0; o < p.out; ++o) in.w2[j * p.out + o] = p.w2(c0 + j, o);
+  for (std::size_t i = 0; i < nr; ++i)
+    for (std::size_t o = 0; o < p.out; ++o) in.dy2[i * p.out + o] = p.dy2(r0 + i, o);
+  return in;
+}
+
+// How a rank runs the stack's products and reads its results: on a host group, now (`at_once`);
+// on a stream-ordered group (tests/test_parallel_stream.cpp) the products and the copies of the
+// results are enqueued on the compute stream and finish() waits for it once, at the end.
+struct at_once {
+  static void gemm(const parallel::gemm_args& a) { naive_gemm(a); }
+  static void copy(std::vector<float>& to, std::span<const float> from) { to.assign(from.begin(), from.end()); }
+  template <class Layer>
+  static void bind(Layer&) {}
+  static void finish() {}
+};
+
 // One rank's part of the stack: forward through both layers, backward through both.
-template <class S, class C, class G>
-rank_out run_rank(G& g, const problem& p) {
+template <class S, class C, class G, class Order = at_once>
+rank_out run_rank(G& g, const problem& p, Order order = {}) {
     using Tr = typename G::transport_type;
     const auto k = static_cast<std::size_t>(g.rank());
     parallel::column_linear<S, Tr, C> fc1(g, p.in, p.hid);
     parallel::row_linear<S, Tr, C> fc2(g, p.hid, p.out);
-    const std::size_t c0 = fc1.first_col(), nc = fc1.cols(), r0 = p.first(k), nr = p.rows[k];
+    order.bind(fc1);
+    order.bind(fc2);
+    auto mm = [&](const parallel::gemm_args& a) { order.gemm(a); };
+    const std::size_t c0 = fc1.first_col(), nc = fc1.cols(), nr = p.rows[k];
     if (fc2.first_in_row() != c0 || fc2.in_rows() != nc) throw std::logic_error("column and row splits differ");
-    std::vector<float> x(nr * p.in), w1(p.in * nc), w2(nc * p.out), dy2(nr * p.out);
-    for (std::size_t i = 0; i < nr; ++i)
-      for (std::size_t f = 0; f < p.in; ++f) x[i * p.in + f] = p.x(r0 + i, f);
-    for (std::size_t f = 0; f < p.in; ++f)
-      for (std::size_t j = 0; j < nc; ++j) w1[f * nc + j] = p.w1(f, c0 + j);
-    for (std::size_t j = 0; j < nc; ++j)
-      for (std::size_t o = 0; o < p.out; ++o) w2[j * p.out + o] = p.w2(c0 + j, o);
-    for (std::size_t i = 0; i < nr; ++i)
-      for (std::size_t o = 0; o < p.out; ++o) dy2[i * p.out + o] = p.dy2(r0 + i, o);
+    const auto [x, w1, w2, dy2] = rank_inputs(p, k, c0, nc);
 
     rank_out o;
     o.first_col = c0, o.cols = nc;
-    auto y1 = fc1.forward(std::span<const float>(x), std::span<const float>(w1), naive_gemm);
-    o.y1.assign(y1.begin(), y1.end());
-    o.x_used.assign(fc1.inputs().begin(), fc1.inputs().end());
-    auto y2 = fc2.forward(std::span<const float>(o.y1), nr, std::span<const float>(w2), naive_gemm);
-    o.y2.assign(y2.begin(), y2.end());
+    // The inputs as a model would hand them on: written in the compute order (on a stream, the
+    // layer's wire must wait for these copies before it sends a row).
+    std::vector<float> xs, dy2s;
+    order.copy(xs, x);
+    order.copy(dy2s, dy2);
+    auto y1 = fc1.forward(std::span<const float>(xs), std::span<const float>(w1), mm);
+    order.copy(o.y1, y1);
+    order.copy(o.x_used, fc1.inputs());
+    auto y2 = fc2.forward(std::span<const float>(o.y1), nr, std::span<const float>(w2), mm);
+    order.copy(o.y2, y2);
     const std::size_t B = fc1.rows().total();
     o.dh.assign(B * nc, -7.0f);
     o.dw2.assign(nc * p.out, -7.0f);
-    fc2.backward(std::span<const float>(o.y1), std::span<const float>(dy2), std::span<const float>(w2), std::span<float>(o.dw2),
-                 std::span<float>(o.dh), naive_gemm);
-    o.dy_used.assign(fc2.output_gradients().begin(), fc2.output_gradients().end());
+    fc2.backward(std::span<const float>(o.y1), std::span<const float>(dy2s), std::span<const float>(w2), std::span<float>(o.dw2),
+                 std::span<float>(o.dh), mm);
+    order.copy(o.dy_used, fc2.output_gradients());
     o.dw1.assign(p.in * nc, -7.0f);
     o.dx.assign(nr * p.in, -7.0f);
-    fc1.backward(std::span<const float>(o.dh), std::span<const float>(w1), std::span<float>(o.dw1), std::span<float>(o.dx),
-                 naive_gemm);
+    fc1.backward(std::span<const float>(o.dh), std::span<const float>(w1), std::span<float>(o.dw1), std::span<float>(o.dx), mm);
+    order.finish();
     return o;
 }
 

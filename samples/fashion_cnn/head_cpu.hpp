@@ -3,6 +3,8 @@
 // dnnl_sgemm call through lockstep::parallel::gemm_args, the argument block the model-parallel
 // layers hand their products to (head_hybrid.hpp runs the same products on slices).
 //
+// The element math (bias_relu, relu_back) is layers_math.hpp's, shared with the GPU head
+// (layers_cuda.cuh).
 // Shape legend: B images of this replica, F features out of the conv blocks, H1, H2 hidden widths,
 // NC classes. fc1_w is (F, H1), fc2_w (H1, H2): in x out, Y = X · W.
 #pragma once
@@ -13,6 +15,8 @@
 #include <string>
 
 #include <lockstep/parallel/gemm.hpp>
+
+#include "layers_math.hpp"
 
 namespace fashion {
 
@@ -29,10 +33,7 @@ inline void sgemm(const lockstep::parallel::gemm_args& a) {
 // y (rows, n) += b (n), then ReLU, in place.
 inline void bias_relu_forward(float* y, const float* b, std::size_t rows, std::size_t n) {
   for (std::size_t i = 0; i < rows; ++i)
-    for (std::size_t j = 0; j < n; ++j) {
-      const float v = y[i * n + j] + b[j];
-      y[i * n + j] = v > 0.0f ? v : 0.0f;
-    }
+    for (std::size_t j = 0; j < n; ++j) y[i * n + j] = bias_relu(y[i * n + j], b[j]);
 }
 
 // dy (rows, n) *= [y > 0] in place (y: the ReLU's output), and db (n) = the sum over rows of the
@@ -41,9 +42,8 @@ inline void bias_relu_backward(float* dy, float* db, const float* y, std::size_t
   for (std::size_t j = 0; j < n; ++j) db[j] = 0.0f;
   for (std::size_t i = 0; i < rows; ++i)
     for (std::size_t j = 0; j < n; ++j) {
-      float& g = dy[i * n + j];
-      if (!(y[i * n + j] > 0.0f)) g = 0.0f;
-      db[j] += g;
+      dy[i * n + j] = relu_back(dy[i * n + j], y[i * n + j]);
+      db[j] += dy[i * n + j];
     }
 }
 

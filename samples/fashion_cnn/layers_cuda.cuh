@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <lockstep/parallel/gemm.hpp>
+
 #include "../common/batch_norm_cuda.cuh"
 #include "../common/conv_cuda.cuh"
 #include "../common/cuda_context.cuh"
@@ -99,6 +101,73 @@ inline void maxpool_backward(float* dinp, const float* dout, const void* workspa
   maxpool_backward_kernel<<<grid_for(n), 256, 0, s>>>(dinp, dout, static_cast<const std::uint8_t*>(workspace), B * C,
                                                       H, W);
   LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
+}
+
+// ----------------------------------------------------------------------------------------------
+// One row-major product of lockstep::parallel (gemm_args: C = op(A) op(B) + beta C) on cuBLAS,
+// enqueued on this thread's stream: column-major cuBLAS sees each row-major matrix transposed, so
+// C^T (n, m) = op(B)^T (n, k) op(A)^T (k, m) is gemm(op_b, op_a) with the operands swapped. The
+// model-parallel layers' matmul on a stream-ordered group (their compute stream: cuda_ctx().stream).
+inline void sgemm(const lockstep::parallel::gemm_args& a) {
+  if (a.m == 0 || a.n == 0) return;
+  const float one = 1.0f;
+  LOCKSTEP_SAMPLE_CHECK(cublasSgemm(cuda_ctx().blas, a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    static_cast<int>(a.n), static_cast<int>(a.m), static_cast<int>(a.k), &one, a.b,
+                                    static_cast<int>(a.ldb), a.a, static_cast<int>(a.lda), &a.beta, a.c,
+                                    static_cast<int>(a.ldc)));
+}
+
+// ----------------------------------------------------------------------------------------------
+// The --fc head's hidden layers (head_cpu.hpp's functions, same signatures): products on cuBLAS
+// (sgemm above), bias + ReLU own kernels on layers_math.hpp's element math. The bias gradient is
+// one thread per column adding its rows in row order, as the CPU does (deterministic).
+
+static __global__ void bias_relu_forward_kernel(float* y, const float* b, std::size_t rows, std::size_t n) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < rows * n; i += std::size_t(gridDim.x) * blockDim.x)
+    y[i] = bias_relu(y[i], b[i % n]);
+}
+
+static __global__ void bias_relu_backward_kernel(float* dy, float* db, const float* y, std::size_t rows, std::size_t n) {
+  const std::size_t j = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
+  if (j >= n) return;
+  float s = 0.0f;
+  for (std::size_t i = 0; i < rows; ++i) {
+    const float g = relu_back(dy[i * n + j], y[i * n + j]);
+    dy[i * n + j] = g;
+    s += g;
+  }
+  db[j] = s;
+}
+
+// y (rows, n) += b (n), then ReLU, in place.
+inline void bias_relu_forward(float* y, const float* b, std::size_t rows, std::size_t n) {
+  if (rows * n == 0) return;
+  bias_relu_forward_kernel<<<grid_for(rows * n), 256, 0, cuda_ctx().stream>>>(y, b, rows, n);
+  LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
+}
+
+// dy (rows, n) *= [y > 0] in place (y: the ReLU's output), and db (n) = the sum over rows of the
+// result (overwritten; zero for no rows).
+inline void bias_relu_backward(float* dy, float* db, const float* y, std::size_t rows, std::size_t n) {
+  if (n == 0) return;
+  bias_relu_backward_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, cuda_ctx().stream>>>(dy, db, y, rows, n);
+  LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
+}
+
+// One hidden FC with ReLU, forward: y (B, out) = relu(x (B, in) · w (in, out) + b).
+inline void fc_relu_forward(float* y, const float* x, const float* w, const float* b, std::size_t B, std::size_t in,
+                            std::size_t out) {
+  sgemm({false, false, B, out, in, x, in, w, out, 0.0f, y, out});
+  bias_relu_forward(y, b, B, out);
+}
+
+// Its backward: dy (B, out) is turned into the pre-ReLU gradient in place; dw (in, out), db (out)
+// and dx (B, in, or null) are overwritten.
+inline void fc_relu_backward(float* dx, float* dw, float* db, float* dy, const float* x, const float* y, const float* w,
+                             std::size_t B, std::size_t in, std::size_t out) {
+  bias_relu_backward(dy, db, y, B, out);
+  sgemm({true, false, in, out, B, x, in, dy, out, 0.0f, dw, out});
+  if (dx) sgemm({false, true, B, in, out, dy, out, w, out, 0.0f, dx, in});
 }
 
 // ----------------------------------------------------------------------------------------------

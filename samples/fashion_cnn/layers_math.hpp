@@ -3,7 +3,7 @@
 //
 // Purpose: the oneDNN backend (layers_cpu.hpp) and the cuDNN backend (layers_cuda.cuh) differ in
 // who runs convolutions and matrix products, but max pooling, batch norm + ReLU and the loss are
-// own kernels on both. Their per-element arithmetic lives here as LOCKSTEP_HD functions, so the CPU
+// own kernels on both, and so are the --fc head's bias + ReLU. Their per-element arithmetic lives here as LOCKSTEP_HD functions, so the CPU
 // tests (finite differences, distributed BN against whole-batch BN) cover what the GPU runs, and
 // the two backends can only differ in summation order. The merge of batch-norm statistics across a
 // group runs on the host for both backends (G (2K + 1) floats).
@@ -71,5 +71,19 @@ using sample::bn_xhat;
 using sample::xent_grad;
 using sample::xent_row;
 using sample::xent_target;
+
+// ----------------------------------------------------------------------------------------------
+// The --fc head's hidden layers: y = relu(x · W + b). The products are sgemm (oneDNN or cuBLAS);
+// the bias, the ReLU and their backward are these.
+
+// One output element: the product's value v plus its bias, through the ReLU.
+LOCKSTEP_HD inline float bias_relu(float v, float b) {
+  const float y = v + b;
+  return y > 0.0f ? y : 0.0f;
+}
+
+// The gradient dy of a ReLU's output y, taken back through it (y is the output, not the input:
+// y > 0 exactly where the input was).
+LOCKSTEP_HD inline float relu_back(float dy, float y) { return y > 0.0f ? dy : 0.0f; }
 
 }  // namespace fashion

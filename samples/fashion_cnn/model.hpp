@@ -65,16 +65,7 @@ struct model {
   std::vector<float> h1, h2, d_h1, d_h2, d_features;
 };
 
-inline void model_bind(model& m) {
-  bind_tensors(m, m.params.data(), m.grads.data(), m.running.data());
-  if (m.cfg.has_head()) {
-    auto at = [&](const char* name, float* base) { return base + tensor_named(m.L, name).offset; };
-    m.fc1_w = at("fc1.w", m.params.data()), m.d_fc1_w = at("fc1.w", m.grads.data());
-    m.fc1_b = at("fc1.b", m.params.data()), m.d_fc1_b = at("fc1.b", m.grads.data());
-    m.fc2_w = at("fc2.w", m.params.data()), m.d_fc2_w = at("fc2.w", m.grads.data());
-    m.fc2_b = at("fc2.b", m.params.data()), m.d_fc2_b = at("fc2.b", m.grads.data());
-  }
-}
+inline void model_bind(model& m) { bind_tensors(m, m.params.data(), m.grads.data(), m.running.data()); }
 
 // A model with freshly initialised parameters (initial_parameters, model_layout.hpp).
 inline model model_create(const config& cfg, std::uint64_t seed) {
@@ -211,5 +202,31 @@ inline void model_backward(model& m, const bn_group& group, const std::function<
   if (bucket_ready) bucket_ready(nblocks + 1);  // fc1.w, fc1.b
   model_backward_features(m, m.d_features.data(), group, bucket_ready);
 }
+
+// The CPU backend of the hybrid head's orchestration (head_hybrid.hpp): oneDNN and the loops of
+// head_cpu.hpp on host memory.
+struct cpu_backend {
+  using model_type = model;
+  using buffer = std::vector<float>;
+  static float* resize(buffer& b, std::size_t n) {
+    b.assign(n, 0.0f);
+    return b.data();
+  }
+  static void sgemm(const lockstep::parallel::gemm_args& a) { fashion::sgemm(a); }
+  static void bias_relu_forward(float* y, const float* b, std::size_t rows, std::size_t n) {
+    fashion::bias_relu_forward(y, b, rows, n);
+  }
+  static void bias_relu_backward(float* dy, float* db, const float* y, std::size_t rows, std::size_t n) {
+    fashion::bias_relu_backward(dy, db, y, rows, n);
+  }
+  static void linear_forward(float* out, const float* inp, const float* w, const float* b, int B, int F, int NC) {
+    fashion::linear_forward(out, inp, w, b, B, F, NC);
+  }
+  static void linear_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
+                              int B, int F, int NC) {
+    fashion::linear_backward(dinp, dw, db, dout, inp, w, B, F, NC);
+  }
+  static void copy(float* dst, const float* src, std::size_t n) { std::copy(src, src + n, dst); }
+};
 
 }  // namespace fashion

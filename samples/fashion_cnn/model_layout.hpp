@@ -127,6 +127,16 @@ inline const tensor_info& tensor_named(const layout& L, const std::string& name)
   throw std::invalid_argument("no tensor " + name + " in this model");
 }
 
+// Points the --fc head's pointers (fc1_w ... d_fc2_b, either backend's model) into p and g.
+template <class M>
+void bind_head(M& m, float* p, float* g) {
+  auto at = [&](const char* name, float* base) { return base + tensor_named(m.L, name).offset; };
+  m.fc1_w = at("fc1.w", p), m.d_fc1_w = at("fc1.w", g);
+  m.fc1_b = at("fc1.b", p), m.d_fc1_b = at("fc1.b", g);
+  m.fc2_w = at("fc2.w", p), m.d_fc2_w = at("fc2.w", g);
+  m.fc2_b = at("fc2.b", p), m.d_fc2_b = at("fc2.b", g);
+}
+
 // Points a model's per-tensor pointers (either backend's model) into its flat parameter block p,
 // gradient block g and running statistics r.
 template <class M>
@@ -145,6 +155,7 @@ void bind_tensors(M& m, float* p, float* g, float* r) {
     m.run_var[i] = r + m.cfg.channels[i];
     r += 2 * m.cfg.channels[i];
   }
+  if (m.cfg.has_head()) bind_head(m, p, g);
 }
 
 // Fresh parameters: He-normal convolutions (fan-in), gamma 1, beta 0, classifier uniform in

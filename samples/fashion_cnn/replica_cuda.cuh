@@ -20,6 +20,7 @@
 
 #include "../common/replica_cuda.cuh"
 #include "model_cuda.cuh"
+#include "replica_hybrid_cuda.cuh"
 #include "trainer.hpp"
 
 namespace fashion {
@@ -66,20 +67,29 @@ class gpu_replica {
 };
 
 // One replica of a run on a GPU, the policies named by the flags: host group `host` for batch norm
-// and the test sums, device group `dg` for the gradients.
+// and the test sums, device group `dg` for the gradients (and, with --parallel hybrid-a|b|c, the
+// split layers' activations: replica_hybrid_cuda.cuh).
 template <class HostGroup, class DeviceGroup>
 void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, const shared_data& data,
                          run_result& result) {
   with_policies(o, [&](auto topo, auto& codec, auto opt) {
-    gpu_replica<DeviceGroup, decltype(topo), std::remove_reference_t<decltype(codec)>, decltype(opt)> rep(dg, o, topo,
-                                                                                                        codec, opt);
-    try {
-      train_replica(host, o, data, rep, result);
-    } catch (const std::exception& e) {
-      // Before the replica's buffers go: the peers may be waiting on the device transport (or
-      // reading this replica's memory), which the host group's abort does not reach.
-      dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
-      throw;
+    using C = std::remove_reference_t<decltype(codec)>;
+    auto run = [&](auto& rep) {
+      try {
+        train_replica(host, o, data, rep, result);
+      } catch (const std::exception& e) {
+        // Before the replica's buffers go: the peers may be waiting on the device transport (or
+        // reading this replica's memory), which the host group's abort does not reach.
+        dg.transport().abort(std::string("replica ") + std::to_string(host.rank()) + " failed: " + e.what());
+        throw;
+      }
+    };
+    if (o.parallel == "data") {
+      gpu_replica<DeviceGroup, decltype(topo), C, decltype(opt)> rep(dg, o, topo, codec, opt);
+      run(rep);
+    } else {
+      gpu_hybrid_replica<DeviceGroup, decltype(topo), C, decltype(opt)> rep(dg, o, topo, codec, opt);
+      run(rep);
     }
   });
 }
@@ -90,7 +100,6 @@ void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, con
 // The host world's abort comes from run_inproc, the device world's from train_dispatch_cuda.
 inline run_result train_inproc_cuda(const options& o) {
   validate(o);
-  validate_gpu(o);
   std::filesystem::create_directories(o.out);
   const shared_data data = load_data(o);
   run_result result;

@@ -16,7 +16,8 @@
 // The slices' update is optim::split_update: with LARS, each trust ratio is the whole tensor's
 // (the ranks' sums of squares all-gathered and added in rank order, the same bits on every rank),
 // so hybrid LARS trains the data-parallel LARS model.
-// Limits: no error feedback, the CPU.
+// Limits: no error feedback. replica_hybrid_cuda.cuh is this replica on a GPU (the same head
+// orchestration, head_hybrid.hpp, with gpu::backend).
 #pragma once
 
 #include <memory>
@@ -59,7 +60,7 @@ class hybrid_replica {
     extract(m_.params.data(), mp_w_.data());
     for (std::size_t b = 0; b <= static_cast<std::size_t>(nblocks); ++b)  // the blocks and the head bucket
       dp_buckets_.push_back({m_.L.buckets[b].first, m_.L.buckets[b].second});
-    head_ = make_hybrid_head(world, o.parallel, o.activation_codec, o.codec_block, F_, H1_, H2_);
+    head_ = make_hybrid_head<cpu_backend>(world, o.parallel, o.activation_codec, o.codec_block, F_, H1_, H2_);
     sample::set_replica_threads(o.threads, world.size());
   }
 
@@ -187,7 +188,7 @@ class hybrid_replica {
   std::vector<std::size_t> first_, cols_;  // (rank): each rank's share of H1
   std::vector<float> mp_w_, mp_g_;  // this rank's slices and their gradients (layout above)
   std::vector<float> momentum_;     // the whole model's momentum, as of end_epoch
-  std::unique_ptr<hybrid_head_base> head_;
+  std::unique_ptr<hybrid_head_base<cpu_backend>> head_;
 };
 
 }  // namespace fashion

@@ -1,7 +1,8 @@
 // lockstep-train-fashion-cuda: lockstep-train-fashion on an NVIDIA GPU (cuDNN and cuBLAS), with the
 // same model, flags, metrics, checkpoints and plot.
 //
-// Purpose: the GPU half of the sample; trainer.hpp's loop with replica_cuda.cuh. By default --ranks
+// Purpose: the GPU half of the sample; trainer.hpp's loop with replica_cuda.cuh (or, with --fc and
+// --parallel hybrid-a|b|c, replica_hybrid_cuda.cuh). By default --ranks
 // replicas run as threads of this process, all on the current GPU (CUDA_VISIBLE_DEVICES picks it),
 // their gradients averaged by lockstep's device collectives over the inproc_device transport.
 // Started under mpirun (a build with MPI and NCCL), each process is one replica on GPU
@@ -43,7 +44,6 @@ int train_mpi_nccl(fashion::options o, int devices, int* argc, char*** argv) {
                              "replicas on one GPU)");
   LOCKSTEP_SAMPLE_CHECK(cudaSetDevice(local));
   fashion::validate(o);
-  fashion::validate_gpu(o);
   if (world.rank() == 0) std::filesystem::create_directories(o.out);
   const fashion::shared_data data = fashion::load_data(o);
   ncclUniqueId id{};

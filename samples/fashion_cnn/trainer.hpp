@@ -335,12 +335,6 @@ inline void validate(const options& o) {
   }
 }
 
-// The GPU trainer has neither the FC head nor hybrid parallelism (yet): say so instead of ignoring them.
-inline void validate_gpu(const options& o) {
-  if (o.fc[0] > 0 || o.parallel != "data")
-    throw std::invalid_argument("--fc and --parallel are built for the CPU trainer only (lockstep-train-fashion)");
-}
-
 // Loads the data set once for this process, keeping the first N images where the flags say so.
 inline shared_data load_data(const options& o) {
   shared_data d{sample::load_idx_pair(o.data, "train"), sample::load_idx_pair(o.data, "t10k")};

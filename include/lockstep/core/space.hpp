@@ -10,6 +10,8 @@
 //   s.decode(c, wire, n, out)        out[0..n) <- values(wire)
 //   s.decode_add(c, wire, n, acc)    acc[0..n) += values(wire)
 //   s.copy(dst, src, bytes)          memcpy in the space's order
+//   s.zero(dst, bytes)               memset to 0 in the space's order (ordered spaces; parallel/'s
+//                                    empty products)
 //   s.divide(x, n, by)               x[i] /= by, rounded as one fp32 division
 //   s.allocate(bytes) -> memory      owning, 64-byte aligned, freed in the space's order
 // An ordered space also supplies the stream machinery the stream-ordered transports and the
@@ -168,6 +170,9 @@ class deferred {
   }
   void copy(void* dst, const void* src, std::size_t bytes) const {
     if (bytes) s_->enqueue([=] { std::memcpy(dst, src, bytes); });
+  }
+  void zero(void* dst, std::size_t bytes) const {
+    if (bytes) s_->enqueue([=] { std::memset(dst, 0, bytes); });
   }
   void divide(float* x, std::size_t n, float by) const {
     s_->enqueue([=] { host{}.divide(x, n, by); });

@@ -3,7 +3,7 @@
 // layer alike.
 //
 // Each forward call all-gathers one small descriptor per rank (layer kind, scheme, codec, shape,
-// rows). Every rank then holds the same table, so a disagreement (a rank with another scheme,
+// rows); on a stream-ordered group the host waits for it (the row counts size the collectives). Every rank then holds the same table, so a disagreement (a rank with another scheme,
 // codec or shape) makes every rank throw the same errc::mismatch naming the two ranks and both
 // values, instead of some ranks entering collectives the others never call. Row counts may differ
 // (a last partial batch): they become the per-rank counts of the layer's collectives.
@@ -58,7 +58,25 @@ batch exchange_batch(G& g, const T& topo, const layer_config& cfg, std::size_t m
   std::vector<float> own(d_fields);
   for (std::size_t f = 0; f < d_fields; ++f) own[f] = std::bit_cast<float>(mine[f]);
   codec::fp32 c;
-  all_gather(g, std::span<const float>(own), std::span<float>(all), topo, c);
+  if constexpr (G::ordered) {
+    // The table goes through the group's space (device memory on a GPU) and comes back to the
+    // host: one host synchronisation with the group's stream per layer call.
+    auto& sp = g.space();
+    auto mem = sp.allocate(all.size() * sizeof(float));
+    float* table = reinterpret_cast<float*>(mem.data());  // (rank, field)
+    sp.copy(table + static_cast<std::size_t>(g.rank()) * d_fields, own.data(), d_fields * sizeof(float));
+    request gathered = all_gather_inplace_async(g, std::span<float>(table, all.size()), topo, c);
+    request back = g.submit([&] { sp.copy(all.data(), table, all.size() * sizeof(float)); }, cfg.label + ": layer descriptors");
+    try {
+      back.wait();
+      gathered.wait();
+    } catch (...) {
+      sp.drain(g.deadline());  // nothing queued may still write `all` once it is gone
+      throw;
+    }
+  } else {
+    all_gather(g, std::span<const float>(own), std::span<float>(all), topo, c);
+  }
   auto field = [&](std::size_t rank, std::size_t f) { return std::bit_cast<std::uint32_t>(all[rank * d_fields + f]); };
   auto wide = [&](std::size_t rank, std::size_t f) { return std::size_t{field(rank, f)} | std::size_t{field(rank, f + 1)} << 32; };
 

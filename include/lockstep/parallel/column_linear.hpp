@@ -17,6 +17,11 @@
 //   parallel::column_linear<parallel::by_rank, transport::inproc, codec::int8> fc1(g, 9216, 4096);
 //   auto y = fc1.forward(x, w1_k, sgemm);          // y: B x fc1.cols()
 //   fc1.backward(dy, w1_k, dw1_k, dx, sgemm);
+//
+// On a stream-ordered group (nccl, inproc_device, inproc_deferred) the same calls enqueue and
+// return: every buffer is in the group's space (device memory), `sgemm` enqueues on the layer's
+// compute stream (fc1.set_compute_stream(model_stream); the group's by default), and y, dx and dw
+// are complete in that stream's order (parallel/lanes.hpp).
 #pragma once
 
 #include <span>
@@ -41,7 +46,7 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
   std::size_t cols() const noexcept { return this->slice_size(); }
   std::size_t first_col() const noexcept { return this->slice_first(); }
   // X as every rank used it: B x in, rank-major (valid until the next forward).
-  std::span<const float> inputs() const noexcept { return x_all_; }
+  std::span<const float> inputs() const noexcept { return x_all_.span(); }
 
   // x: this rank's rows (B_k x in); w: this rank's columns W_k (in x cols). Returns Y_k (B x cols),
   // owned by the layer until the next forward; the caller may change it in place (bias, ReLU).
@@ -52,13 +57,15 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
     this->expect({{w.size(), in, n, this->w_name()}});
     this->b_ = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
     const std::size_t B = this->b_.total();
-    x_all_.assign(B * in, 0.0f);
-    y_.assign(B * n, 0.0f);
-    detail::gather_rows(this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), in, x,
-                        std::span<float>(x_all_), n, std::span<float>(y_), [&](const float* xr, std::size_t m, float* yr) {
-                          detail::run_gemm(mm, {false, false, m, n, in, xr, in, w.data(), n, 0.0f, yr, n});
+    auto lanes = this->make_lanes();
+    x_all_.resize(this->g_, B * in);
+    y_.resize(this->g_, B * n);
+    detail::gather_rows(this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), in, x,
+                        x_all_.span(), n, y_.span(), [&](const float* xr, std::size_t m, float* yr) {
+                          lanes.gemm(mm, {false, false, m, n, in, xr, in, w.data(), n, 0.0f, yr, n});
                         });
-    return y_;
+    lanes.leave();
+    return y_.span();
   }
 
   // dy: dY_k (B x cols); w: W_k; dw: dW_k (in x cols), overwritten; dx: this rank's rows of dX
@@ -69,19 +76,21 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
     const std::size_t in = this->in(), n = cols(), B = this->b_.total();
     this->expect({{dy.size(), B, n, "output gradient dY_k (B x cols)"},
                   {dx.size(), rows, in, "input gradient dx (this rank's rows x in)"}});
+    auto lanes = this->make_lanes();
     detail::reduce_rows(
-        this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), n, dy, in, dx,
+        this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), n, dy, in, dx,
         [&](const float* dyr, std::size_t m, float* p) {  // dX rows = dY_k rows · W_kᵀ
-          detail::run_gemm(mm, {false, true, m, in, n, dyr, n, w.data(), n, 0.0f, p, in});
+          lanes.gemm(mm, {false, true, m, in, n, dyr, n, w.data(), n, 0.0f, p, in});
         },
         [&] {  // dW_k = Xᵀ · dY_k while the last rounds of dX move
-          detail::run_gemm(mm, {true, false, in, n, B, x_all_.data(), in, dy.data(), n, 0.0f, dw.data(), n});
+          lanes.gemm(mm, {true, false, in, n, B, x_all_.data(), in, dy.data(), n, 0.0f, dw.data(), n});
         });
+    lanes.leave();
   }
 
  private:
-  std::vector<float> x_all_;  // (B, in)
-  std::vector<float> y_;      // (B, cols)
+  detail::workspace<group<Tr>> x_all_;  // (B, in)
+  detail::workspace<group<Tr>> y_;      // (B, cols)
 };
 
 }  // namespace lockstep::parallel

@@ -3,18 +3,22 @@
 //
 //   gather_rows   every rank's own rows reach every rank (column-split forward: X; row-split
 //                 backward: dY). All rounds are posted at once (they run in call order on the
-//                 group's worker); round r is computed on as soon as it has arrived, while the
-//                 rounds after it are still moving.
+//                 group's worker, or on its stream); round r is computed on as soon as it has
+//                 arrived, while the rounds after it are still moving.
 //   reduce_rows   partial results for all rows are summed into their owners' rows (column-split
 //                 backward: dX; row-split forward: Y). Round r is computed, then posted, and round
 //                 r + 1 is computed while it moves; `overlap` runs once every round is posted.
+//
+// Both are written once against parallel/lanes.hpp: on a host group "computed on as soon as it
+// has arrived" is a wait for the round's request, on a stream-ordered group an event between the
+// group's stream and the compute stream, with nothing done at call time.
 //
 // A round whose rows are consecutive in the whole batch's order (every round of gather_all and
 // by_rank) moves in place; by_slice's rounds are gathered into a staging buffer and copied out.
 // A round with one rank taking part is a broadcast from it (gathering) or a reduce_scatter_v with
 // one non-zero count (reducing): the reduce to that rank. Values cross the wire through the
-// layer's codec and are summed in fp32. Every request is waited for before the buffers it uses
-// go out of scope, errors included.
+// layer's codec and are summed in fp32. Every request is waited for (or, on a stream, every queued
+// use of a buffer is behind the join) before the buffers it uses go, errors included.
 #pragma once
 
 #include <cstring>
@@ -23,6 +27,7 @@
 
 #include "../collective/collectives.hpp"
 #include "batch.hpp"
+#include "lanes.hpp"
 #include "scheme.hpp"
 
 namespace lockstep::parallel::detail {
@@ -55,18 +60,20 @@ inline round_place place(const batch& b, const round_blocks& r) {
 }
 
 // Copies a round's rows between rank order (`packed`, m x width) and the whole batch's order
-// (`whole`, total x width), in either direction.
-inline void scatter_rows(const batch& b, const round_blocks& r, std::size_t width, const float* packed, float* whole) {
+// (`whole`, total x width), in either direction, on the compute lane.
+template <class L>
+void scatter_rows(L& lanes, const batch& b, const round_blocks& r, std::size_t width, const float* packed, float* whole) {
   for (std::size_t k = 0; k < r.size(); ++k) {
     const std::size_t n = r[k].size() * width;
-    if (n) std::memcpy(whole + (b.first[k] + r[k].lo) * width, packed, n * sizeof(float));
+    if (n) lanes.compute_copy(whole + (b.first[k] + r[k].lo) * width, packed, n * sizeof(float));
     packed += n;
   }
 }
-inline void pack_rows(const batch& b, const round_blocks& r, std::size_t width, const float* whole, float* packed) {
+template <class L>
+void pack_rows(L& lanes, const batch& b, const round_blocks& r, std::size_t width, const float* whole, float* packed) {
   for (std::size_t k = 0; k < r.size(); ++k) {
     const std::size_t n = r[k].size() * width;
-    if (n) std::memcpy(packed, whole + (b.first[k] + r[k].lo) * width, n * sizeof(float));
+    if (n) lanes.compute_copy(packed, whole + (b.first[k] + r[k].lo) * width, n * sizeof(float));
     packed += n;
   }
 }
@@ -77,98 +84,91 @@ inline std::vector<std::size_t> counts_of(const round_blocks& r, std::size_t wid
   return c;
 }
 
-// Waits for every request on the way out, so no collective still writes a buffer being freed.
-struct drain_on_exit {
-  std::vector<request>& reqs;
-  ~drain_on_exit() {
-    for (auto& q : reqs) try {
-        q.wait();
-      } catch (...) {
-      }
-  }
-};
+// Where this rank's block of round r starts in the round's rank order (rows).
+inline std::size_t rows_before(const round_blocks& r, std::size_t me) {
+  std::size_t before = 0;
+  for (std::size_t k = 0; k < me; ++k) before += r[k].size();
+  return before;
+}
 
 // own: this rank's rows (rows x w_in); all_in: the whole batch (total x w_in), filled here;
-// all_out: total x w_out, written by compute(in_rows, m, out_rows) round by round.
-template <class G, class T, class C, class Compute>
-void gather_rows(G& g, const T& topo, C& codec, const batch& b, const std::vector<round_blocks>& rounds, std::size_t w_in,
-                 std::span<const float> own, std::span<float> all_in, std::size_t w_out, std::span<float> all_out,
-                 Compute&& compute) {
+// all_out: total x w_out, written by compute(in_rows, m, out_rows) round by round on the compute
+// lane (parallel/lanes.hpp).
+template <class G, class L, class T, class C, class Compute>
+void gather_rows(G& g, L& lanes, const T& topo, C& codec, const batch& b, const std::vector<round_blocks>& rounds,
+                 std::size_t w_in, std::span<const float> own, std::span<float> all_in, std::size_t w_out,
+                 std::span<float> all_out, Compute&& compute) {
   const auto me = static_cast<std::size_t>(g.rank());
   const std::size_t R = rounds.size();
   std::vector<round_place> at(R);
-  std::vector<std::vector<float>> staged(R), staged_out(R);      // (round) by_slice's rounds only
+  std::vector<float*> staged(R, nullptr);  // (round) by_slice's rounds only: m x w_in
   std::vector<std::vector<std::size_t>> counts(R);
-  std::vector<request> reqs(R);
-  drain_on_exit drain{reqs};
   for (std::size_t r = 0; r < R; ++r) {
     at[r] = place(b, rounds[r]);
     if (at[r].m == 0) continue;
     float* buf = all_in.data() + at[r].start * w_in;
-    if (!at[r].in_place) staged[r].resize(at[r].m * w_in), buf = staged[r].data();
+    if (!at[r].in_place) buf = staged[r] = lanes.staging(at[r].m * w_in);
     // This rank's block goes where the collective expects it: its offset in the round's rank order.
-    std::size_t before = 0;
-    for (std::size_t k = 0; k < me; ++k) before += rounds[r][k].size();
     const row_block mine = rounds[r][me];
-    if (mine.size()) std::memcpy(buf + before * w_in, own.data() + mine.lo * w_in, mine.size() * w_in * sizeof(float));
+    if (mine.size())
+      lanes.wire_copy(buf + rows_before(rounds[r], me) * w_in, own.data() + mine.lo * w_in, mine.size() * w_in * sizeof(float));
     const std::span<float> span(buf, at[r].m * w_in);
-    if (at[r].contributors == 1) reqs[r] = broadcast_async(g, span, at[r].root, topo, codec);
+    if (at[r].contributors == 1) lanes.posted(r, broadcast_async(g, span, at[r].root, topo, codec));
     else {
       counts[r] = counts_of(rounds[r], w_in);
-      reqs[r] = all_gather_v_inplace_async(g, span, std::span<const std::size_t>(counts[r]), topo, codec);
+      lanes.posted(r, all_gather_v_inplace_async(g, span, std::span<const std::size_t>(counts[r]), topo, codec));
     }
   }
   for (std::size_t r = 0; r < R; ++r) {
     if (at[r].m == 0) continue;
-    reqs[r].wait();
+    lanes.arrived(r);
     if (at[r].in_place) {
       compute(all_in.data() + at[r].start * w_in, at[r].m, all_out.data() + at[r].start * w_out);
     } else {
-      scatter_rows(b, rounds[r], w_in, staged[r].data(), all_in.data());
-      staged_out[r].resize(at[r].m * w_out);
-      compute(staged[r].data(), at[r].m, staged_out[r].data());
-      scatter_rows(b, rounds[r], w_out, staged_out[r].data(), all_out.data());
+      scatter_rows(lanes, b, rounds[r], w_in, staged[r], all_in.data());
+      float* out = lanes.staging(at[r].m * w_out);
+      compute(staged[r], at[r].m, out);
+      scatter_rows(lanes, b, rounds[r], w_out, out, all_out.data());
     }
   }
 }
 
 // all_in: the whole batch (total x w_in); own_out: this rank's rows (rows x w_out), written with
-// the sum over ranks of compute(in_rows, m, partial_rows) for its rows; overlap() runs while the
-// last rounds move.
-template <class G, class T, class C, class Compute, class Overlap>
-void reduce_rows(G& g, const T& topo, C& codec, const batch& b, const std::vector<round_blocks>& rounds, std::size_t w_in,
-                 std::span<const float> all_in, std::size_t w_out, std::span<float> own_out, Compute&& compute,
-                 Overlap&& overlap) {
+// the sum over ranks of compute(in_rows, m, partial_rows) for its rows; overlap() runs on the
+// compute lane while the last rounds move.
+template <class G, class L, class T, class C, class Compute, class Overlap>
+void reduce_rows(G& g, L& lanes, const T& topo, C& codec, const batch& b, const std::vector<round_blocks>& rounds,
+                 std::size_t w_in, std::span<const float> all_in, std::size_t w_out, std::span<float> own_out,
+                 Compute&& compute, Overlap&& overlap) {
   const auto me = static_cast<std::size_t>(g.rank());
   const std::size_t R = rounds.size();
   std::vector<round_place> at(R);
-  std::vector<std::vector<float>> partial(R), staged_in(R);  // (round)
+  std::vector<float*> partial(R, nullptr);  // (round): m x w_out
   std::vector<std::vector<std::size_t>> counts(R);
-  std::vector<request> reqs(R);
-  drain_on_exit drain{reqs};
   for (std::size_t r = 0; r < R; ++r) {
     at[r] = place(b, rounds[r]);
     if (at[r].m == 0) continue;
     const float* in = all_in.data() + at[r].start * w_in;
     if (!at[r].in_place) {
-      staged_in[r].resize(at[r].m * w_in);
-      pack_rows(b, rounds[r], w_in, all_in.data(), staged_in[r].data());
-      in = staged_in[r].data();
+      float* staged = lanes.staging(at[r].m * w_in);
+      pack_rows(lanes, b, rounds[r], w_in, all_in.data(), staged);
+      in = staged;
     }
-    partial[r].resize(at[r].m * w_out);
-    compute(in, at[r].m, partial[r].data());
+    partial[r] = lanes.staging(at[r].m * w_out);
+    compute(in, at[r].m, partial[r]);
     counts[r] = counts_of(rounds[r], w_out);
-    reqs[r] = reduce_scatter_v_inplace_async(g, std::span<float>(partial[r]), std::span<const std::size_t>(counts[r]), topo, codec);
+    lanes.handed();
+    lanes.posted(r, reduce_scatter_v_inplace_async(g, std::span<float>(partial[r], at[r].m * w_out),
+                                                   std::span<const std::size_t>(counts[r]), topo, codec));
   }
   overlap();
   for (std::size_t r = 0; r < R; ++r) {
     if (at[r].m == 0) continue;
-    reqs[r].wait();
-    std::size_t before = 0;
-    for (std::size_t k = 0; k < me; ++k) before += rounds[r][k].size();
+    lanes.landed(r);
     const row_block mine = rounds[r][me];
     if (mine.size())
-      std::memcpy(own_out.data() + mine.lo * w_out, partial[r].data() + before * w_out, mine.size() * w_out * sizeof(float));
+      lanes.wire_copy(own_out.data() + mine.lo * w_out, partial[r] + rows_before(rounds[r], me) * w_out,
+                      mine.size() * w_out * sizeof(float));
   }
 }
 

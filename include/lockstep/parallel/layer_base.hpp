@@ -6,26 +6,58 @@
 #include <initializer_list>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "../codec/concept.hpp"
 #include "../collective/group.hpp"
 #include "../core/error.hpp"
 #include "../topology/concept.hpp"
 #include "batch.hpp"
+#include "lanes.hpp"
 #include "scheme.hpp"
 
 namespace lockstep::parallel::detail {
+
+// A layer's activation workspace, kept from call to call: host memory on a host group; on a
+// stream-ordered one the group's space (device memory on a GPU), grown in the group stream's
+// order (parallel/lanes.hpp: a call grows it only after its lanes have ordered the wire behind the
+// compute stream's reads of the old one).
+template <class G, bool Ordered = G::ordered>
+class workspace {
+ public:
+  void resize(G&, std::size_t n) { v_.assign(n, 0.0f); }
+  float* data() noexcept { return v_.data(); }
+  std::span<float> span() noexcept { return v_; }
+  std::span<const float> span() const noexcept { return v_; }
+
+ private:
+  std::vector<float> v_;
+};
+template <class G>
+class workspace<G, true> {
+ public:
+  void resize(G& g, std::size_t n) {  // uninitialised
+    if (n * sizeof(float) > mem_.size()) mem_ = g.space().allocate(n * sizeof(float));
+    n_ = n;
+  }
+  float* data() const noexcept { return reinterpret_cast<float*>(mem_.data()); }
+  std::span<float> span() const noexcept { return {data(), n_}; }
+
+ private:
+  typename G::space_type::memory mem_;
+  std::size_t n_ = 0;
+};
 
 template <scheme S, transport::transport Tr, codec::codec C, topology::topology T>
 class layer_base {
   static_assert(!codec::feedback_codec<C>,
                 "parallel layers: activations and their gradients differ from step to step (other samples), so an "
                 "error-feedback residual has nothing to correct; pass the plain codec (docs/codecs.md)");
-  static_assert(!group<Tr>::ordered,
-                "parallel layers run on host groups (inproc, mpi); a stream-ordered group (CUDA, inproc_deferred) is "
-                "not supported by parallel/ yet");
 
  public:
+  using group_type = group<Tr>;
+  using stream_type = typename stream_of<group_type>::type;  // the space's stream handle (ordered groups)
+
   group<Tr>& group_ref() noexcept { return g_; }
   const batch& rows() const noexcept { return b_; }
   // This rank's part [first, first + count) of the split dimension (columns or input rows).
@@ -34,6 +66,21 @@ class layer_base {
   std::size_t in() const noexcept { return cfg_.in; }
   std::size_t out() const noexcept { return cfg_.out; }
   const std::string& label() const noexcept { return cfg_.label; }
+
+  // Stream-ordered groups: the stream the layer's inputs are ready on, its products are enqueued
+  // on (the caller's matmul enqueues there) and its outputs are complete on: the compute stream.
+  // The group's own stream unless set (a null handle means that one too); another (the model's
+  // stream) lets the rounds' collectives overlap the products (parallel/lanes.hpp).
+  void set_compute_stream(stream_type s)
+    requires group_type::ordered
+  {
+    compute_ = s;
+  }
+  stream_type compute_stream() const
+    requires group_type::ordered
+  {
+    return compute_ ? compute_ : g_.stream();
+  }
 
  protected:
   layer_base(group<Tr>& g, layer_kind kind, const char* name, std::size_t in, std::size_t out, std::size_t split, C codec, T topo)
@@ -90,12 +137,19 @@ class layer_base {
       throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1, "backward before any forward: no batch to go back over");
   }
 
+  // One call's lanes (parallel/lanes.hpp); construct after the batch exchange, before workspaces grow.
+  lanes<group_type> make_lanes() {
+    if constexpr (group_type::ordered) return lanes<group_type>(g_, compute_stream());
+    else return lanes<group_type>(g_);
+  }
+
   group<Tr>& g_;
   C codec_;
   T topo_;
   layer_config cfg_{};
   std::pair<std::size_t, std::size_t> slice_{};
   batch b_;
+  stream_type compute_{};  // ordered groups; null: the group's stream
 };
 
 }  // namespace lockstep::parallel::detail

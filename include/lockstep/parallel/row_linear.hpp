@@ -11,7 +11,8 @@
 //             scheme);  dH_k = dY · W_kᵀ (B x m_k), computed round by round as dY arrives;
 //             dW_k = H_kᵀ · dY (in-slice x out), local
 // No bias: Y is complete only after the reduction, so the caller adds a bias replicated on every
-// rank (and all-reduces its gradient data-parallel, like a convolution's).
+// rank (and all-reduces its gradient data-parallel, like a convolution's). On a stream-ordered
+// group the calls enqueue, as column_linear's do.
 #pragma once
 
 #include <span>
@@ -46,14 +47,16 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
     this->b_ = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
     const std::size_t B = this->b_.total();
     this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"}});
-    y_.assign(rows * out, 0.0f);
+    auto lanes = this->make_lanes();
+    y_.resize(this->g_, rows * out);
     detail::reduce_rows(
-        this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), m_k, h, out, std::span<float>(y_),
+        this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), m_k, h, out, y_.span(),
         [&](const float* hr, std::size_t m, float* p) {  // partial Y rows = H_k rows · W_k
-          detail::run_gemm(mm, {false, false, m, out, m_k, hr, m_k, w.data(), out, 0.0f, p, out});
+          lanes.gemm(mm, {false, false, m, out, m_k, hr, m_k, w.data(), out, 0.0f, p, out});
         },
         [] {});
-    return y_;
+    lanes.leave();
+    return y_.span();
   }
 
   // h: the forward's H_k; dy: this rank's rows of dY (B_k x out); w: W_k; dw: dW_k (in_rows x out),
@@ -66,20 +69,22 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
     this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"},
                   {dy.size(), rows, out, "output gradient dy (this rank's rows x out)"},
                   {dh.size(), B, m_k, "input gradient dH_k (all ranks' rows x in_rows)"}});
-    dy_all_.assign(B * out, 0.0f);
-    detail::gather_rows(this->g_, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), out, dy,
-                        std::span<float>(dy_all_), m_k, dh, [&](const float* dyr, std::size_t m, float* dhr) {
-                          detail::run_gemm(mm, {false, true, m, m_k, out, dyr, out, w.data(), out, 0.0f, dhr, m_k});
+    auto lanes = this->make_lanes();
+    dy_all_.resize(this->g_, B * out);
+    detail::gather_rows(this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), out, dy,
+                        dy_all_.span(), m_k, dh, [&](const float* dyr, std::size_t m, float* dhr) {
+                          lanes.gemm(mm, {false, true, m, m_k, out, dyr, out, w.data(), out, 0.0f, dhr, m_k});
                         });
-    detail::run_gemm(mm, {true, false, m_k, out, B, h.data(), m_k, dy_all_.data(), out, 0.0f, dw.data(), out});
+    lanes.gemm(mm, {true, false, m_k, out, B, h.data(), m_k, dy_all_.data(), out, 0.0f, dw.data(), out});
+    lanes.leave();
   }
 
   // dY as every rank used it in the last backward: B x out, rank-major.
-  std::span<const float> output_gradients() const noexcept { return dy_all_; }
+  std::span<const float> output_gradients() const noexcept { return dy_all_.span(); }
 
  private:
-  std::vector<float> y_;       // (B_k, out)
-  std::vector<float> dy_all_;  // (B, out)
+  detail::workspace<group<Tr>> y_;       // (B_k, out)
+  detail::workspace<group<Tr>> dy_all_;  // (B, out)
 };
 
 }  // namespace lockstep::parallel
