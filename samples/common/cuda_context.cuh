@@ -100,18 +100,22 @@ inline void to_device(float* d, const float* h, std::size_t n) {
   LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(s));  // h may be a temporary of the caller
 }
 
-// The first algorithm of cuDNN's heuristic list that works and is deterministic (so that a resumed
-// run repeats the uninterrupted one). fp32 (tensor_ops false): fp32 FMAs only, never TF32 on tensor
-// cores; bf16 (tensor_ops true): tensor cores allowed, they accumulate in fp32.
+// The first algorithm of cuDNN's heuristic list that works, is deterministic (so that a resumed run
+// repeats the uninterrupted one) and runs in `math`, the math type set on the convolution
+// descriptor: fp32 CUDNN_FMA_MATH (fp32 FMAs only, never TF32 on tensor cores), bf16
+// CUDNN_TENSOR_OP_MATH (tensor cores, accumulating in fp32). The heuristic may also list an
+// algorithm under another math type (CUDNN_DEFAULT_MATH, which lets fp32 run as TF32); its
+// determinism is that of another engine than the one the descriptor runs, so such results are
+// skipped rather than adopted by setting the descriptor to them: one descriptor serves the
+// forward and both backward passes, and fp32 must stay free of TF32.
 template <class Perf>
-auto pick_algorithm(const Perf* perf, int n, const char* what, bool tensor_ops = false) {
+auto pick_algorithm(const Perf* perf, int n, const char* what, cudnnMathType_t math) {
   for (int i = 0; i < n; ++i)
     if (perf[i].status == CUDNN_STATUS_SUCCESS && perf[i].determinism == CUDNN_DETERMINISTIC &&
-        (perf[i].mathType == CUDNN_DEFAULT_MATH || perf[i].mathType == CUDNN_FMA_MATH ||
-         (tensor_ops && perf[i].mathType == CUDNN_TENSOR_OP_MATH)))
+        perf[i].mathType == math)
       return perf[i];
-  throw std::runtime_error(std::string("cuDNN offers no deterministic ") + (tensor_ops ? "bf16" : "fp32") +
-                           " algorithm for " + what);
+  throw std::runtime_error(std::string("cuDNN offers no deterministic ") +
+                           (math == CUDNN_TENSOR_OP_MATH ? "bf16" : "fp32") + " algorithm for " + what);
 }
 
 }  // namespace sample::gpu
