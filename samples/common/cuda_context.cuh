@@ -1,7 +1,8 @@
 // samples/common/cuda_context.cuh: what the samples' cuDNN/cuBLAS backends (Fashion CNN, ResNet-50)
 // share of the CUDA runtime: error checks for cuDNN and cuBLAS that name the call, the per-thread
 // context (stream, cuDNN and cuBLAS handles, scratch), grid sizes, blocking host/device copies of
-// small arrays, and the choice of a deterministic cuDNN algorithm.
+// small arrays, fp32 -> bf16 rounding on the device, and the choice of a deterministic cuDNN
+// algorithm.
 //
 // One context per host thread, so replicas running as threads never share a stream or a handle.
 // Scratch is a few numbered slots grown on demand (stream ordered: a slot freed while earlier
@@ -16,10 +17,12 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
+#include <lockstep/codec/bf16.hpp>
 #include <lockstep/device/runtime.hpp>
 
 namespace sample::gpu {
@@ -98,6 +101,20 @@ inline void to_device(float* d, const float* h, std::size_t n) {
   auto s = cuda_ctx().stream;
   LOCKSTEP_SAMPLE_CHECK(cudaMemcpyAsync(d, h, n * sizeof(float), cudaMemcpyHostToDevice, s));
   LOCKSTEP_SAMPLE_CHECK(cudaStreamSynchronize(s));  // h may be a temporary of the caller
+}
+
+static __global__ void round_bf16_kernel(std::uint16_t* out, const float* inp, std::size_t n) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
+    out[i] = lockstep::codec::bf16::to_wire(inp[i]);
+}
+
+// out = inp rounded to bf16 (nearest even, the bits of lockstep::codec::bf16::to_wire as on the
+// CPU), on the context's stream.
+inline void round_bf16(std::uint16_t* out,  // (n) bf16 bits
+                       const float* inp,    // (n)
+                       std::size_t n) {
+  round_bf16_kernel<<<grid_for(n), 256, 0, cuda_ctx().stream>>>(out, inp, n);
+  LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
 }
 
 // The first algorithm of cuDNN's heuristic list that works, is deterministic (so that a resumed run
