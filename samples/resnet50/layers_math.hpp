@@ -37,23 +37,12 @@ LOCKSTEP_HD inline float load(float x) { return x; }
 LOCKSTEP_HD inline float load(bf16_t x) { return lockstep::codec::bf16::from_wire(x); }
 
 // ----------------------------------------------------------------------------------------------
-// Batch norm (sample::bn_fold's a = gamma rstd, c = beta - mean a), with or without the ReLU.
+// Batch norm (sample::bn_fold's a = gamma rstd, c = beta - mean a), with or without the ReLU: the
+// functions the Fashion CNN uses too (samples/common/batch_norm.hpp).
 
-LOCKSTEP_HD inline float bn_apply(float x, sample::bn_affine f, bool relu) {
-  const float y = x * f.a + f.c;
-  return relu ? (y > 0.0f ? y : 0.0f) : y;
-}
-
-// dy, the gradient before the ReLU (g without it).
-LOCKSTEP_HD inline float bn_dy(float x, float g, sample::bn_affine f, bool relu) {
-  return !relu || x * f.a + f.c > 0.0f ? g : 0.0f;
-}
-
-// dx = a (dy - mean(dy) - xhat mean(dy xhat)), the means over the group.
-LOCKSTEP_HD inline float bn_dx(float x, float g, sample::bn_affine f, float mean, float rstd, float mean_dy,
-                               float mean_dyx, bool relu) {
-  return f.a * (bn_dy(x, g, f, relu) - mean_dy - sample::bn_xhat(x, mean, rstd) * mean_dyx);
-}
+using sample::bn_apply;  // the forward
+using sample::bn_dx;     // dx = a (dy - mean(dy) - xhat mean(dy xhat)), the means over the group
+using sample::bn_dy;     // dy, the gradient before the ReLU
 
 // ----------------------------------------------------------------------------------------------
 // A bottleneck's end: max(0, BN(x) + shortcut), the shortcut the block's input or BN_d(xd).
