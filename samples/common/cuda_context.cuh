@@ -8,7 +8,10 @@
 // Scratch is a few numbered slots grown on demand (stream ordered: a slot freed while earlier
 // kernels still read it is freed after them); a caller names the slot it owns:
 //   slot_workspace  cuDNN's workspace          slot_weights  a convolution's reordered weights
-//   slot_out        a lower-precision output   slot_grad     a bf16 copy of an output gradient
+//   slot_grad       a bf16 copy of an output gradient
+//   slot_out        a convolution's result before it reaches the caller's buffer: a bf16 output
+//                   before widening to fp32, or a weight gradient in cuDNN's filter layout (KRSC,
+//                   fp32 or bf16) before reordering
 #pragma once
 
 #include <cublas_v2.h>
