@@ -3,9 +3,13 @@
 // per-channel moments, global average pooling, 3x3/2 max pooling, NHWC batch norm (with and
 // without ReLU) and a whole bottleneck (identity and projection shortcut, stride 1 and 2), each
 // against central finite differences of L = sum(out * r) (tests/fashion_gradcheck.hpp: fp32
-// layers, L summed in double, coordinates within h of a kink skipped). Shapes are small and odd-sized, so the file
-// takes seconds.
+// layers, L summed in double, coordinates within h of a kink skipped); and both pooling kernels bit
+// for bit against layers_math.hpp's per-cell helpers, which the GPU backend runs. Shapes are small
+// and odd-sized, so the file takes seconds.
 #include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
 
 #include "../samples/resnet50/model.hpp"
 #include "fashion_gradcheck.hpp"
@@ -132,6 +136,51 @@ TEST_CASE("max pooling 3x3 stride 2 padding 1: gradients, odd and even sides", "
     maxpool3x3_backward(dx.data(), r.data(), which.data(), B, H, W, C);
     check_gradient(x, dx, loss, 80, 1e-3f, 11);
   }
+}
+
+// The CPU kernels run channels in vector lanes, the GPU's one channel per thread through the
+// per-cell helpers of layers_math.hpp (maxpool3_gather, avgpool_cell); the two must agree bit for bit.
+TEST_CASE("pooling: the CPU kernels equal the per-cell helpers the GPU runs, bit for bit", "[resnet][layers]") {
+  const int B = 2, C = 67;  // a partial vector, and for average pooling a partial 64-channel task
+  auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  for (int H : {7, 8}) {
+    INFO("side " << H);
+    const int W = H + 1, OH = pool3_out(H), OW = pool3_out(W);
+    auto x = randn(static_cast<std::size_t>(B) * H * W * C, 30 + H);
+    for (auto& v : x) v = std::round(2.0f * v);  // windows with ties
+    auto r = randn(static_cast<std::size_t>(B) * OH * OW * C, 40 + H);
+    for (std::size_t i = 0; i < r.size(); i += 7) r[i] = -0.0f;
+    std::vector<float> out(r.size()), dx(x.size());
+    std::vector<std::uint8_t> which(r.size());
+    maxpool3x3_forward(out.data(), which.data(), x.data(), B, H, W, C);
+    maxpool3x3_backward(dx.data(), r.data(), which.data(), B, H, W, C);
+    const std::size_t oimg = static_cast<std::size_t>(OH) * OW * C;
+    std::size_t differ = 0;
+    for (int b = 0; b < B; ++b)
+      for (int iy = 0; iy < H; ++iy)
+        for (int ix = 0; ix < W; ++ix)
+          for (int c = 0; c < C; ++c) {
+            const float g = maxpool3_gather(r.data() + b * oimg, which.data() + b * oimg, OH, OW, C, iy, ix, c);
+            differ += !same(g, dx[((static_cast<std::size_t>(b) * H + iy) * W + ix) * C + c]);
+          }
+    CHECK(differ == 0);
+  }
+  const int HW = 7 * 7;
+  auto x = randn(static_cast<std::size_t>(B) * HW * C, 50);
+  std::vector<bf16_t> xh(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) xh[i] = store_as<bf16_t>(x[i]);
+  std::vector<float> out(static_cast<std::size_t>(B) * C);
+  std::vector<bf16_t> outh(out.size());
+  global_avgpool_forward(out.data(), x.data(), B, HW, C);
+  global_avgpool_forward(outh.data(), xh.data(), B, HW, C);
+  std::size_t differ = 0;
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < C; ++c) {
+      const std::size_t img = static_cast<std::size_t>(b) * HW * C, o = static_cast<std::size_t>(b) * C + c;
+      differ += !same(avgpool_cell(x.data() + img, HW, C, c), out[o]);
+      differ += store_as<bf16_t>(avgpool_cell(xh.data() + img, HW, C, c)) != outh[o];
+    }
+  CHECK(differ == 0);
 }
 
 TEST_CASE("NHWC batch norm with and without ReLU: gradients (local group)", "[resnet][layers]") {

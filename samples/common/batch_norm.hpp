@@ -33,19 +33,30 @@ LOCKSTEP_HD inline bn_affine bn_fold(float gamma, float beta, float mean, float 
   return {a, beta - mean * a};
 }
 
-LOCKSTEP_HD inline float bn_relu(float x, bn_affine f) {
+// relu says whether the ReLU follows (ResNet-50 has batch norms without it); bn_relu, bn_relu_dy and
+// bn_relu_dx are the same functions with it, the same arithmetic to the bit.
+LOCKSTEP_HD inline float bn_apply(float x, bn_affine f, bool relu) {
   const float y = x * f.a + f.c;
-  return y > 0.0f ? y : 0.0f;
+  return relu ? (y > 0.0f ? y : 0.0f) : y;
 }
+LOCKSTEP_HD inline float bn_relu(float x, bn_affine f) { return bn_apply(x, f, true); }
 
-// The gradient before the ReLU, from the one after it.
-LOCKSTEP_HD inline float bn_relu_dy(float x, float g, bn_affine f) { return x * f.a + f.c > 0.0f ? g : 0.0f; }
+// dy, the gradient before the ReLU, from g, the one after it (g itself without the ReLU).
+LOCKSTEP_HD inline float bn_dy(float x, float g, bn_affine f, bool relu) {
+  return !relu || x * f.a + f.c > 0.0f ? g : 0.0f;
+}
+LOCKSTEP_HD inline float bn_relu_dy(float x, float g, bn_affine f) { return bn_dy(x, g, f, true); }
 
 LOCKSTEP_HD inline float bn_xhat(float x, float mean, float rstd) { return (x - mean) * rstd; }
 
+// dx = a (dy - mean(dy) - xhat mean(dy xhat)), the means over the group.
+LOCKSTEP_HD inline float bn_dx(float x, float g, bn_affine f, float mean, float rstd, float mean_dy, float mean_dyx,
+                               bool relu) {
+  return f.a * (bn_dy(x, g, f, relu) - mean_dy - bn_xhat(x, mean, rstd) * mean_dyx);
+}
 LOCKSTEP_HD inline float bn_relu_dx(float x, float g, bn_affine f, float mean, float rstd, float mean_dy,
                                     float mean_dyx) {
-  return f.a * (bn_relu_dy(x, g, f) - mean_dy - bn_xhat(x, mean, rstd) * mean_dyx);
+  return bn_dx(x, g, f, mean, rstd, mean_dy, mean_dyx, true);
 }
 
 // The group a replica normalises with: how to gather and how to sum across it. size 1 with empty

@@ -5,13 +5,16 @@
 // Both layouts are one indexing: element j (of n) of channel k lies at
 //   (j / HW) K HW + k HW + j % HW
 // which is NCHW with planes of HW cells, and NHWC (n rows of K channels) with HW = 1.
-// Reductions are one CUDA block per channel, accumulated in double (CUB block reduction), so their
-// results do not depend on the batch size's rounding any more than the CPU's chunked sums do.
+// Reductions are one CUDA block per channel, accumulated in double (CUB block reduction). For a
+// fixed block size (bn_threads) the order of additions is fixed, so the sums are deterministic (run
+// to run, replica to replica); they are not bit-equal to the CPU backend's, which adds in other
+// chunks.
 // The statistics go to the host, are merged there across the group (bn_merge_stats) and come
 // back: 2K + 1 floats each way, one stream synchronisation per batch norm; backward's two sums
 // likewise when the group has more than one replica.
-// Limits: a block per channel reads its channel's elements with stride K under NHWC (uncoalesced);
-// clear, not the fastest layout of the reduction.
+// Limits: a block per channel reads its channel's elements with stride K under NHWC (uncoalesced):
+// clear but slow. The fix, not done, is a two-stage reduction (coalesced partial sums over chunks of
+// rows, then the partials of each channel in a fixed order), deterministic still.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>

@@ -5,8 +5,8 @@
 // Activations and filters share one layout (NCHW tensors with KCRS filters, or NHWC tensors with
 // KRSC filters): cuDNN's algorithms for NHWC, its tensor-core kernels above all, want NHWC filters.
 // fp32: every tensor fp32, FMA math (no TF32). bf16: every tensor bf16, compute type fp32, tensor
-// cores allowed. Algorithms are cuDNN's heuristic choice among the deterministic ones
-// (pick_algorithm), chosen once per shape and thread and kept with their descriptors.
+// cores allowed. Algorithms are cuDNN's heuristic choice among the deterministic ones in that math
+// type (pick_algorithm), chosen once per shape and thread and kept with their descriptors.
 //
 // Shape legend: B images, C input channels, H x W input side, K output channels, R kernel side,
 // S stride, OH x OW output side.
@@ -68,20 +68,21 @@ inline conv_plan& conv_lookup(const conv_desc& s, cudnnTensorFormat_t format, cu
   LOCKSTEP_SAMPLE_CHECK(cudnnSetFilter4dDescriptor(p.wei, dt, format, s.K, s.C, s.R, s.R));
   LOCKSTEP_SAMPLE_CHECK(
       cudnnSetConvolution2dDescriptor(p.conv, P, P, s.S, s.S, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-  LOCKSTEP_SAMPLE_CHECK(cudnnSetConvolutionMathType(p.conv, bf16 ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH));
+  const cudnnMathType_t math = bf16 ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH;
+  LOCKSTEP_SAMPLE_CHECK(cudnnSetConvolutionMathType(p.conv, math));
   constexpr int max_algos = 16;
   int n = 0;
   cudnnConvolutionFwdAlgoPerf_t fp[max_algos];
   LOCKSTEP_SAMPLE_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(ctx.dnn, p.src, p.wei, p.conv, p.dst, max_algos, &n, fp));
-  p.fwd = pick_algorithm(fp, n, "the forward convolution", bf16).algo;
+  p.fwd = pick_algorithm(fp, n, "the forward convolution", math).algo;
   cudnnConvolutionBwdDataAlgoPerf_t dp[max_algos];
   LOCKSTEP_SAMPLE_CHECK(
       cudnnGetConvolutionBackwardDataAlgorithm_v7(ctx.dnn, p.wei, p.dst, p.conv, p.src, max_algos, &n, dp));
-  p.bwd_data = pick_algorithm(dp, n, "the backward-data convolution", bf16).algo;
+  p.bwd_data = pick_algorithm(dp, n, "the backward-data convolution", math).algo;
   cudnnConvolutionBwdFilterAlgoPerf_t wp[max_algos];
   LOCKSTEP_SAMPLE_CHECK(
       cudnnGetConvolutionBackwardFilterAlgorithm_v7(ctx.dnn, p.src, p.dst, p.conv, p.wei, max_algos, &n, wp));
-  p.bwd_filter = pick_algorithm(wp, n, "the backward-filter convolution", bf16).algo;
+  p.bwd_filter = pick_algorithm(wp, n, "the backward-filter convolution", math).algo;
   LOCKSTEP_SAMPLE_CHECK(cudnnGetConvolutionForwardWorkspaceSize(ctx.dnn, p.src, p.wei, p.conv, p.dst, p.fwd, &p.fwd_ws));
   LOCKSTEP_SAMPLE_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(ctx.dnn, p.wei, p.dst, p.conv, p.src, p.bwd_data,
                                                                      &p.bwd_data_ws));

@@ -13,8 +13,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <lockstep/codec/bf16.hpp>
-
 #include "cuda_context.cuh"
 
 namespace sample::gpu {
@@ -30,11 +28,6 @@ static __global__ void bias_grad_kernel(float* dbias, const float* dout, int B, 
   float s = 0;
   for (int b = 0; b < B; ++b) s += dout[b * NC + c];
   dbias[c] = s;
-}
-
-static __global__ void round_bf16_kernel(std::uint16_t* out, const float* inp, std::size_t n) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
-    out[i] = lockstep::codec::bf16::to_wire(inp[i]);
 }
 
 // C (m, n) = op(A) op(B), column-major, A and B of T, C fp32.
@@ -76,8 +69,7 @@ void linear_backward(float* dinp,         // (B, F), overwritten
   } else {
     const std::size_t n = static_cast<std::size_t>(B) * NC;
     auto* r = static_cast<std::uint16_t*>(ctx.scratch(n * sizeof(std::uint16_t), slot_grad));
-    round_bf16_kernel<<<grid_for(n), 256, 0, ctx.stream>>>(r, dout, n);
-    LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
+    round_bf16(r, dout, n);
     g = r;
   }
   // dW^T (F, NC) = inp^T (F, B) dout (B, NC)

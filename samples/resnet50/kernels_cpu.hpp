@@ -320,7 +320,7 @@ void bn_add_relu_backward_sums(float* g,            // (N, K), overwritten; may 
 // ----------------------------------------------------------------------------------------------
 // maxpool3x3: out = max over 3x3 windows, stride 2, padding 1 (padding never wins). The workspace
 // keeps which of the nine cells won (0..8, the first in row-major order on ties), one byte per
-// output, for the backward pass, which gathers each input cell's gradient (layers_math.hpp).
+// output, for the backward pass, which sums each input cell's gradient (layers_math.hpp).
 
 template <class T>
 void maxpool3x3_forward(T* out,               // (B, OH, OW, C)
@@ -339,32 +339,61 @@ void maxpool3x3_forward(T* out,               // (B, OH, OW, C)
     }
 }
 
+// Each input cell's gradient: maxpool3_gather's terms in its order, each window's term for all C
+// channels at once (vector lanes), so the result is the gather's to the bit.
 inline void maxpool3x3_backward(float* dinp,                // (B, H, W, C), overwritten
                                 const float* dout,          // (B, OH, OW, C)
                                 const std::uint8_t* which,  // from forward
                                 int B, int H, int W, int C) {
   const int OH = pool3_out(H), OW = pool3_out(W);
-  const std::size_t oimg = static_cast<std::size_t>(OH) * OW * C;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int b = 0; b < B; ++b)
     for (int iy = 0; iy < H; ++iy)
       for (int ix = 0; ix < W; ++ix) {
         float* dx = dinp + ((static_cast<std::size_t>(b) * H + iy) * W + ix) * C;
-        for (int c = 0; c < C; ++c) dx[c] = maxpool3_gather(dout + b * oimg, which + b * oimg, OH, OW, C, iy, ix, c);
+#pragma omp simd
+        for (int c = 0; c < C; ++c) dx[c] = 0.0f;
+        for (int oy = pool3_first(iy); oy <= pool3_last(iy, OH); ++oy)
+          for (int ox = pool3_first(ix); ox <= pool3_last(ix, OW); ++ox) {
+            const std::size_t o = ((static_cast<std::size_t>(b) * OH + oy) * OW + ox) * C;
+            const float* dy = dout + o;
+            const std::uint8_t* w = which + o;
+            const int k = maxpool3_k(iy, ix, oy, ox);
+#pragma omp simd
+            for (int c = 0; c < C; ++c) dx[c] += maxpool3_term(w[c], k, dy[c]);
+          }
       }
 }
 
 // ----------------------------------------------------------------------------------------------
 // global_avgpool: out[b, c] = mean over the H*W cells of channel c of image b.
 
+// Cells outer, channels inner (vector lanes): each channel's sum takes avgpool_cell's steps in its
+// order, so the result is the GPU's to the bit. Tasks are (image, 64 channels), enough of them
+// for the threads when the batch is small.
 template <class T>
 void global_avgpool_forward(T* out,        // (B, C), of T: the classifier's input
                             const T* inp,  // (B, HW, C)
                             int B, int HW, int C) {
+  constexpr int chunk = 64;  // channels per task; 256 bytes of partial sums
+  const int nchunks = (C + chunk - 1) / chunk;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int b = 0; b < B; ++b)
-    for (int c = 0; c < C; ++c)
-      out[static_cast<std::size_t>(b) * C + c] = store_as<T>(avgpool_cell(inp + static_cast<std::size_t>(b) * HW * C, HW, C, c));
+    for (int j = 0; j < nchunks; ++j) {
+      const int c0 = j * chunk, n = C - c0 < chunk ? C - c0 : chunk;
+      const T* img = inp + static_cast<std::size_t>(b) * HW * C + c0;
+      float acc[chunk];  // (n) partial sums of channels c0 .. c0 + n
+#pragma omp simd
+      for (int c = 0; c < n; ++c) acc[c] = 0.0f;
+      for (int i = 0; i < HW; ++i) {
+        const T* row = img + static_cast<std::size_t>(i) * C;
+#pragma omp simd
+        for (int c = 0; c < n; ++c) acc[c] = avgpool_add(acc[c], row[c]);
+      }
+      T* o = out + static_cast<std::size_t>(b) * C + c0;
+#pragma omp simd
+      for (int c = 0; c < n; ++c) o[c] = store_as<T>(avgpool_mean(acc[c], HW));
+    }
 }
 
 inline void global_avgpool_backward(float* dinp,        // (B, HW, C), overwritten

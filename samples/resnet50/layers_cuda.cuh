@@ -450,16 +450,6 @@ inline void add_into(float* dst, const float* src, std::size_t n) {
   LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
 }
 
-// fp32 -> bf16 (the weights' copy after creation or restore; during training the optimizer writes it).
-static __global__ void to_bf16_kernel(bf16_t* out, const float* in, std::size_t n) {
-  LOCKSTEP_RESNET_FOR_EACH(i, n) out[i] = store_as<bf16_t>(in[i]);
-}
-
-inline void to_bf16(bf16_t* out, const float* in, std::size_t n) {
-  to_bf16_kernel<<<grid_for(n), 256, 0, cuda_ctx().stream>>>(out, in, n);
-  LOCKSTEP_SAMPLE_CHECK(cudaGetLastError());
-}
-
 #undef LOCKSTEP_RESNET_FOR_EACH
 
 }  // namespace resnet::gpu

@@ -81,7 +81,7 @@ inline cudaStream_t stream() { return cuda_ctx().stream; }
 // The bf16 copy of all weights (after creation and restore; during training the optimizer keeps it).
 template <class T>
 void model_sync_bf16(model<T>& m) {
-  if constexpr (!std::is_same_v<T, float>) to_bf16(m.params_bf16.data(), m.params.data(), m.L.total);
+  if constexpr (!std::is_same_v<T, float>) sample::gpu::round_bf16(m.params_bf16.data(), m.params.data(), m.L.total);
 }
 
 // Copies host parameters (a checkpoint's) into the model, and their bf16 copy.
