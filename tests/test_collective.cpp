@@ -228,6 +228,36 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
       else CHECK_THAT(e.what(), Catch::Contains("no data from the peer"));
     }
   }
+  SECTION("direct's fan-in: a rank that never calls, and one that throws mid-call") {
+    // Every other rank waits on 2's copy while it holds the copies already read: a timeout naming
+    // rank 2, never a hang, whichever wait ends first.
+    try {
+      run_inproc(5, [](inproc_group& g) {
+        if (g.rank() == 2) return;
+        std::vector<float> v(100003);
+        codec::dyntree8 c;
+        all_reduce(g, std::span<float>(v), topology::direct{}, c);
+      }, quick);
+      FAIL("no error");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::timeout);
+      CHECK(e.peer() == 2);
+      CHECK_THAT(e.what(), Catch::Contains("all_reduce(direct, dyntree8) on rank"));
+    }
+    // A rank whose epilogue throws after the fan-in: the others hear of it at once, by name.
+    try {
+      run_inproc(4, [](inproc_group& g) {
+        std::vector<float> v(4099);
+        codec::fp32 c;
+        all_reduce(g, std::span<float>(v), topology::direct{}, c, reduce_op::sum, [&](std::size_t, std::size_t) {
+          if (g.rank() == 3) throw std::runtime_error("the update on rank 3 failed");
+        });
+      }, quick);
+      FAIL("no error");
+    } catch (const std::exception& e) {
+      CHECK_THAT(e.what(), Catch::Contains("the update on rank 3 failed"));
+    }
+  }
   SECTION("null buffer, overflowing count, wrong torus shape, wrong sizes, bad root") {
     run_inproc(2, [](inproc_group& g) {
       codec::fp32 c;

@@ -136,6 +136,7 @@ void every_v_op(int n) {
       f(topology::recursive_doubling{});
       f(topology::automatic{});
     }
+    if (n == 3 || n == 5) f(topology::direct{});  // the fan-in over chunks of unequal length
   };
   for_topologies([&](const auto& topo) {
     using T = std::decay_t<decltype(topo)>;
