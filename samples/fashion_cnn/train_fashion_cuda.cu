@@ -19,40 +19,22 @@
 
 #if LOCKSTEP_SAMPLE_MPI && LOCKSTEP_SAMPLE_NCCL
 #include <lockstep/transport/mpi.hpp>
-#include <lockstep/transport/nccl.hpp>
+#include "../common/mpi_gpu.cuh"
 
 namespace {
 
 // One replica per MPI process: this process's GPU (its rank among the processes of its node, from
 // MPI_Comm_split_type, so any launcher places it right), an NCCL communicator over the job (its id
 // broadcast by MPI), and the same replica and loop as the threaded run.
-int train_mpi_nccl(fashion::options o, int devices, int* argc, char*** argv) {
+int train_mpi_nccl(fashion::options o, int* argc, char*** argv) {
   lockstep::transport::mpi_session session(argc, argv);
   lockstep::group<lockstep::transport::mpi> world(lockstep::transport::mpi(MPI_COMM_WORLD));
   o.ranks = world.size();
-  MPI_Comm node = MPI_COMM_NULL;
-  int local = 0, local_size = 1;
-  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &node) != MPI_SUCCESS)
-    throw std::runtime_error("MPI_Comm_split_type failed: cannot tell which GPU is this process's");
-  MPI_Comm_rank(node, &local);
-  MPI_Comm_size(node, &local_size);
-  MPI_Comm_free(&node);
-  if (local_size > devices)
-    throw std::runtime_error("rank " + std::to_string(world.rank()) + ": " + std::to_string(local_size) +
-                             " processes on this node but " + std::to_string(devices) +
-                             " GPUs; NCCL needs one GPU per process (use --ranks N without mpirun for several "
-                             "replicas on one GPU)");
-  LOCKSTEP_SAMPLE_CHECK(cudaSetDevice(local));
+  sample::gpu::use_node_gpu(world.rank());
   fashion::validate(o);
   if (world.rank() == 0) std::filesystem::create_directories(o.out);
   const fashion::shared_data data = fashion::load_data(o);
-  ncclUniqueId id{};
-  if (world.rank() == 0) lockstep::transport::nccl::check(ncclGetUniqueId(&id), "ncclGetUniqueId", 0);
-  if (MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
-    throw std::runtime_error("MPI_Bcast of the NCCL id failed");
-  ncclComm_t comm = nullptr;
-  lockstep::transport::nccl::check(ncclCommInitRank(&comm, world.size(), id, world.rank()), "ncclCommInitRank",
-                                   world.rank());
+  ncclComm_t comm = sample::gpu::nccl_over_mpi(world.rank(), world.size());
   lockstep::device::stream s;  // before the group: the group frees its scratch on it
   lockstep::group<lockstep::transport::nccl> dg(
       lockstep::transport::nccl(lockstep::transport::nccl::communicator(comm), s.get()));
@@ -74,7 +56,7 @@ int main(int argc, char** argv) {
       return 1;
     }
 #if LOCKSTEP_SAMPLE_MPI && LOCKSTEP_SAMPLE_NCCL
-    if (std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE")) return train_mpi_nccl(o, devices, &argc, &argv);
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE")) return train_mpi_nccl(o, &argc, &argv);
 #endif
     cudaDeviceProp prop{};
     int dev = 0;
