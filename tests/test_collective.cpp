@@ -17,6 +17,9 @@
 // the device uses is tested too. Runners, inputs and checks: tests/collective_matrix.hpp.
 #include "collective_matrix.hpp"
 
+#include <limits>
+#include <numeric>
+
 TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks", "[collective]", codec::fp32, codec::bf16, codec::int8,
                    codec::dyntree8, codec::error_feedback<codec::int8>) {
   for (int n = 1; n <= max_ranks(); ++n) every_op<on_host, TestType>(n);
@@ -50,34 +53,93 @@ TEST_CASE("results are identical from run to run", "[collective]") {
 // direct's reduce-scatter is a fan-in on a host group (all copies of a segment added in one pass)
 // and a walk of its steps one by one on a stream: the same additions in the same order, so the
 // same bits, for every codec and with error feedback, over chunks of many segments.
+//
+// inproc's receive reads in place in the sender's memory; inproc_copying's copies the message into
+// the receive's buffer first, as MPI's and Gloo's do, so the fan-in's landing area in scratch (a
+// slot per peer but the first) is written and read here too, not only under mpirun.
+struct inproc_copying : transport::inproc {
+  using transport::inproc::inproc;
+  template <class F>
+  bool consume(request& r, transport::clock::time_point deadline, F&& fn) {
+    if (!wait(r, deadline)) return false;
+    fn(static_cast<const std::byte*>(r.dst));
+    return true;
+  }
+};
+static_assert(transport::transport<inproc_copying>);
+
+enum class fan_path { in_place, copying, walk };
+
+struct direct_case {
+  int n;
+  std::size_t count;
+  std::size_t segment_bytes;
+  bool specials;  // NaN, +-Inf and huge values among the inputs
+};
+
+// Two all-reduces (average) of `count` and a reduce_scatter_v with per-rank counts, some zero; what
+// each rank ends with: the all-reduced buffer, then its own part of the reduce-scatter.
 template <class C>
-std::vector<std::vector<float>> direct_all_reduce(bool stream, int n, std::size_t count, int calls) {
-  results out(n);
+std::vector<std::vector<float>> direct_calls(fan_path path, const direct_case& dc) {
+  results out(dc.n);
   auto body = [&](auto& g) {
-    std::vector<float> v(count);
+    auto in = [&](int k, std::size_t i) {
+      float x = input(g.rank() + 7 * k, i, false);
+      if (dc.specials && (i * 31 + static_cast<std::size_t>(g.rank())) % 97 == 5)
+        x = i % 3 == 0 ? std::numeric_limits<float>::quiet_NaN() : i % 3 == 1 ? -std::numeric_limits<float>::infinity() : 3e38f;
+      return x;
+    };
     C c;
-    for (int k = 0; k < calls; ++k) {
-      for (std::size_t i = 0; i < count; ++i) v[i] = input(g.rank() + 7 * k, i, false);
+    std::vector<float> v(dc.count);
+    for (int k = 0; k < 2; ++k) {
+      for (std::size_t i = 0; i < dc.count; ++i) v[i] = in(k, i);
       all_reduce(g, std::span<float>(v), topology::direct{}, c, reduce_op::average);
     }
+    std::vector<std::size_t> counts(static_cast<std::size_t>(dc.n));
+    for (int r = 0; r < dc.n; ++r) counts[static_cast<std::size_t>(r)] = r % 3 == 1 ? 0 : dc.count / static_cast<std::size_t>(dc.n) + static_cast<std::size_t>(r);
+    std::vector<float> w(std::accumulate(counts.begin(), counts.end(), std::size_t{0}));
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] = in(2, i);
+    reduce_scatter_v_inplace(g, std::span<float>(w), std::span<const std::size_t>(counts), topology::direct{}, c);
     if constexpr (requires { g.space().handle(); }) g.space().handle()->synchronize();
+    const std::size_t lo = std::accumulate(counts.begin(), counts.begin() + g.rank(), std::size_t{0});
+    v.insert(v.end(), w.begin() + static_cast<std::ptrdiff_t>(lo), w.begin() + static_cast<std::ptrdiff_t>(lo + counts[static_cast<std::size_t>(g.rank())]));
     out.put(g.rank(), v);
   };
-  if (stream) run_inproc_deferred(n, body, matrix_options(64 << 10));
-  else run_inproc(n, body, matrix_options(64 << 10));
+  const group_options opt = matrix_options(dc.segment_bytes);
+  if (path == fan_path::walk) {
+    run_inproc_deferred(dc.n, body, opt);
+  } else if (path == fan_path::in_place) {
+    run_inproc(dc.n, body, opt);
+  } else {
+    auto world = transport::inproc::make_world(dc.n);
+    transport::detail::run_ranks(dc.n, *world, [&](int r) {
+      group<inproc_copying> g(inproc_copying(world, r), opt);
+      body(g);
+    });
+  }
   return out.per_rank;
 }
 
 TEMPLATE_TEST_CASE("direct: the fan-in gives the bits of walking its steps one by one", "[collective][direct]", codec::fp32,
                    codec::bf16, codec::int8, codec::dyntree8, codec::error_feedback<codec::dyntree8>) {
-  for (int n : {3, 5}) {
-    INFO("N = " << n);
-    const std::size_t count = 200003;  // prime: uneven chunks of several 64 KiB segments
-    const auto fan = direct_all_reduce<TestType>(false, n, count, 3);
-    const auto walk = direct_all_reduce<TestType>(true, n, count, 3);
-    for (int r = 0; r < n; ++r) {
-      REQUIRE(fan[static_cast<std::size_t>(r)].size() == count);
-      REQUIRE(std::memcmp(fan[static_cast<std::size_t>(r)].data(), walk[static_cast<std::size_t>(r)].data(), count * sizeof(float)) == 0);
+  // 200003: prime, uneven chunks of several 64 KiB segments; 64-byte segments: one codec block
+  // each, many messages per peer; 64 ranks: 63 peers, more than one fan (fan_max) per reduce-scatter.
+  std::vector<direct_case> cases = {{3, 200003, 64 << 10, false}, {5, 200003, 64 << 10, true}, {4, 0, 0, false},
+                                    {4, 1, 0, true},              {7, 6, 64, false},             {5, 4097, 64, true},
+                                    {16, 4095, 0, false},         {16, 70001, 16388, true}};
+  if (!small_matrix()) cases.push_back({64, 64 * 1031 + 5, 0, true}), cases.push_back({33, 4097, 64, false});
+  for (const direct_case& dc : cases) {
+    INFO("N = " << dc.n << ", count " << dc.count << ", segment " << dc.segment_bytes << " bytes, specials " << dc.specials);
+    const auto walk = direct_calls<TestType>(fan_path::walk, dc);
+    for (fan_path p : {fan_path::in_place, fan_path::copying}) {
+      INFO((p == fan_path::in_place ? "read in place" : "copied to the landing area"));
+      const auto fan = direct_calls<TestType>(p, dc);
+      for (int r = 0; r < dc.n; ++r) {
+        const auto& a = fan[static_cast<std::size_t>(r)];
+        const auto& b = walk[static_cast<std::size_t>(r)];
+        REQUIRE(a.size() == b.size());
+        REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+      }
     }
   }
 }

@@ -443,7 +443,7 @@ class schedule_run {
         return std::none_of(s_.steps.begin() + static_cast<std::ptrdiff_t>(si), s_.steps.begin() + static_cast<std::ptrdiff_t>(end),
                             [&](const topology::step& st) { return st.recv_peer == p; });
       };
-      while (end < s_.steps.size() && fans(s_.steps[end]) && new_peer(s_.steps[end].recv_peer)) ++end;
+      while (end < s_.steps.size() && end - si < fan_max && fans(s_.steps[end]) && new_peer(s_.steps[end].recv_peer)) ++end;
       return end;
     }
   }
@@ -618,6 +618,11 @@ class schedule_run {
   std::vector<bool> replicated_;   // (chunk) an exchange left it equal on two ranks: no residual
   std::size_t fan_off_ = 0;        // where a fan-in's second and later peers land
   static constexpr std::size_t fan_tile = 4096;
+  // Peers read together in one fan-in; a longer run is cut into fans of this many, back to back
+  // (the same additions in the same order: the same bits). It bounds what one fan holds: the
+  // nested reads (read_fan_in recurses once per peer), the landing area over a copying transport
+  // ((fan_max - 1) spans, not N - 2) and fan_in_end's scan of the run.
+  static constexpr std::size_t fan_max = 16;
 
   // Header exchange. `mine_` outlives the requests that send it: a request that has not completed
   // when the call fails withdraws its message or waits for the peer reading it, and only then is
