@@ -19,6 +19,7 @@
 
 #include <limits>
 #include <numeric>
+#include <thread>
 
 TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks", "[collective]", codec::fp32, codec::bf16, codec::int8,
                    codec::dyntree8, codec::error_feedback<codec::int8>) {
@@ -67,6 +68,17 @@ struct inproc_copying : transport::inproc {
   }
 };
 static_assert(transport::transport<inproc_copying>);
+
+// bf16 whose first encode on rank 2 sleeps past the error tests' 1 s timeout: a rank that has
+// entered the call (its header sent) and then stalls.
+struct stalls_on_rank_2 : codec::bf16 {
+  int rank = -1;
+  mutable bool slept = false;
+  void encode(const float* in, std::size_t n, std::byte* out) const {
+    if (rank == 2 && !slept) slept = true, std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    codec::bf16::encode(in, n, out);
+  }
+};
 
 enum class fan_path { in_place, copying, walk };
 
@@ -291,9 +303,8 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
       else CHECK_THAT(e.what(), Catch::Contains("no data from the peer"));
     }
   }
-  SECTION("direct's fan-in: a rank that never calls, and one that throws mid-call") {
-    // Every other rank waits on 2's copy while it holds the copies already read: a timeout naming
-    // rank 2, never a hang, whichever wait ends first.
+  SECTION("direct's fan-in: a rank that never calls, one that stalls inside it, one that throws") {
+    // Rank 2 never calls: the others time out at the header round, naming rank 2.
     try {
       run_inproc(5, [](inproc_group& g) {
         if (g.rank() == 2) return;
@@ -306,6 +317,22 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
       CHECK(e.code() == errc::timeout);
       CHECK(e.peer() == 2);
       CHECK_THAT(e.what(), Catch::Contains("all_reduce(direct, dyntree8) on rank"));
+    }
+    // Rank 2 enters (its header goes out) and then stalls in its first encode, past the timeout:
+    // every other rank waits on 2's copy inside the fan-in, holding the copies it has already read
+    // from the others, and times out naming rank 2, never a hang.
+    try {
+      run_inproc(5, [](inproc_group& g) {
+        stalls_on_rank_2 c;
+        c.rank = g.rank();
+        std::vector<float> v(100003, 1.0f);
+        all_reduce(g, std::span<float>(v), topology::direct{}, c);
+      }, quick);
+      FAIL("no error");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::timeout);
+      CHECK(e.peer() == 2);
+      CHECK_THAT(e.what(), Catch::Contains("no data from the peer"));
     }
     // A rank whose epilogue throws after the fan-in: the others hear of it at once, by name.
     try {

@@ -349,9 +349,9 @@ inline void validate(const options& o) {
   sample::validate_parallel_flags(o);
   if (o.data.empty() && !o.synthetic) bad("--data DIR or --synthetic is needed");
   if (o.precision != "fp32" && o.precision != "bf16") bad("--precision must be fp32 or bf16");
-  // torchvision's resnet50 takes any side; below 16 the stem and max pool leave the three last
-  // stages at 1x1, which is no longer a ResNet at work.
-  if (o.size < 16) bad("--size must be at least 16 (five halvings, rounded up, to the last stage)");
+  // torchvision's resnet50 takes any side. At 16 the last two stages already see 1x1 maps; a smaller
+  // side takes the stages before them down to 1x1 too, which is no longer a ResNet at work.
+  if (o.size < 16) bad("--size must be at least 16");
   if (o.epochs < 1) bad("--epochs must be at least 1");
   if (o.lr < 0) bad("--lr must be positive (0: the optimizer's default)");
   if (o.label_smoothing < 0 || o.label_smoothing >= 1) bad("--label-smoothing must be in [0, 1)");
