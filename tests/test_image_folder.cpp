@@ -327,6 +327,18 @@ TEST_CASE("RandomResizedCrop and the centre crop follow torchvision's rules", "[
   CHECK(c.h == 280);
   CHECK(c.x == 60);
   CHECK(c.y == 20);
+  // crop_pct (timm's name): the share of the shorter side kept; 1 is the whole centre square.
+  const crop_rect whole = sample::centre_crop(400, 320, 1.0);
+  CHECK((whole.x == 40 && whole.y == 0 && whole.w == 320 && whole.h == 320));
+  const crop_rect half = sample::centre_crop(33, 65, 0.5);
+  CHECK((half.w == 16.5 && half.h == 16.5 && half.x == 8.25 && half.y == 24.25));
+  for (double bad : {0.0, -0.5, 1.0001, std::nan("")}) {
+    sample::image_pipeline_options o;
+    o.synthetic = true;
+    o.crop_pct = bad;
+    INFO("crop_pct " << bad);
+    CHECK_THROWS_WITH(sample::image_pipeline(o), Catch::Contains("crop_pct") && Catch::Contains("must be in (0, 1]"));
+  }
 }
 
 TEST_CASE("bad JPEGs are a data_error naming the file: truncated, flipped bytes, empty, PNG renamed", "[jpeg][bad]") {

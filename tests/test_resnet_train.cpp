@@ -8,6 +8,8 @@
 //     20 steps on a fixed batch within 0.05 of fp32's (measured 0.545 against 0.544, from 2.50);
 //   - --resume continues bit-for-bit: 2 epochs in one run and 1 + 1 with --resume give the same
 //     checkpoint file; a checkpoint from other flags is refused naming the file;
+//   - --evaluate reproduces the training run's last validation from its checkpoint (top-1, top-5
+//     and loss equal), writes nothing, and --crop-pct changes what validation sees;
 //   - the checkpoint reader (samples/common/checkpoint.hpp, shared with the Fashion sample): a bit
 //     flipped in the header, the arrays or the CRC, or a cut, is a named error; the previous format
 //     (LSRN5001, no CRC) loads.
@@ -19,6 +21,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "../samples/common/jpeg_encode.hpp"
 #include "../samples/resnet50/replica_cpu.hpp"
 #include "fashion_gradcheck.hpp"
 
@@ -179,5 +182,62 @@ TEST_CASE("--resume continues bit-for-bit; other flags are refused", "[resnet][t
   CHECK(c.global_step == want.global_step);
   CHECK(c.params == want.params);
   CHECK(c.momentum == want.momentum);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("evaluating a checkpoint reproduces its last validation; the crop share changes it", "[resnet][train]") {
+  const fs::path dir = fs::temp_directory_path() / ("lockstep-resnet-eval-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  // An ImageNet-layout folder: 4 classes, 4 training and 2 validation JPEGs each (40x36, so the
+  // centre crop has something to cut), colour and stripes by class plus seeded noise.
+  sample::rng g{11};
+  for (const char* split : {"train", "val"})
+    for (int c = 0; c < 4; ++c) {
+      const fs::path cdir = dir / "data" / split / ("class" + std::to_string(c));
+      fs::create_directories(cdir);
+      for (int i = 0; i < (split[0] == 't' ? 4 : 2); ++i) {
+        const int w = 40, h = 36;
+        std::vector<std::uint8_t> px(static_cast<std::size_t>(w) * h * 3);
+        for (int y = 0; y < h; ++y)
+          for (int x = 0; x < w; ++x)
+            for (int k = 0; k < 3; ++k)
+              px[(static_cast<std::size_t>(y) * w + x) * 3 + k] = static_cast<std::uint8_t>(
+                  (k == c % 3 ? 150 : 60) + ((x / (2 + c)) % 2 ? 40 : 0) + static_cast<int>(g.next() % 30));
+        const auto jpg = sample::encode_jpeg(px.data(), w, h, 3, {});
+        std::ofstream f(cdir / ("img" + std::to_string(i) + ".jpg"), std::ios::binary);
+        f.write(reinterpret_cast<const char*>(jpg.data()), static_cast<std::streamsize>(jpg.size()));
+      }
+    }
+  options o = small((dir / "out").string());
+  o.synthetic = false;
+  o.data = (dir / "data").string();
+  o.epochs = 1;  // 16 images, batch 4: 4 steps
+  const run_result trained = train_inproc(o);
+  REQUIRE(trained.epochs.size() == 1);
+  const std::string ckpt = slurp(o.out + "/checkpoint.bin"), csv = slurp(o.out + "/metrics.csv");
+
+  options e = o;
+  e.evaluate = true;
+  const run_result evaluated = train_inproc(e);
+  REQUIRE(evaluated.epochs.size() == 1);
+  const epoch_record &t = trained.epochs[0], &v = evaluated.epochs[0];
+  CHECK(v.epoch == 1);
+  CHECK(v.top1 == t.top1);
+  CHECK(v.top5 == t.top5);
+  CHECK(v.val_loss == t.val_loss);
+  CHECK(slurp(o.out + "/checkpoint.bin") == ckpt);  // nothing written
+  CHECK(slurp(o.out + "/metrics.csv") == csv);
+
+  e.crop_pct = 1.0;  // the whole 36x36 centre square instead of 31.5x31.5 of it
+  const run_result whole = train_inproc(e);
+  REQUIRE(whole.epochs.size() == 1);
+  CHECK(whole.epochs[0].val_loss != t.val_loss);
+
+  e.crop_pct = 1.5;
+  CHECK_THROWS_WITH(validate(e), Catch::Contains("--crop-pct must be in (0, 1]"));
+  options no_ckpt = e;
+  no_ckpt.crop_pct = 1.0;
+  no_ckpt.out = (dir / "nothing").string();
+  CHECK_THROWS_WITH(train_inproc(no_ckpt), Catch::Contains("checkpoint.bin"));
   fs::remove_all(dir);
 }

@@ -18,8 +18,9 @@
 //
 // Augmentation: train = torchvision's RandomResizedCrop(size, scale (0.08, 1), ratio (3/4, 4/3))
 // (same algorithm: 10 tries, then the centre crop of clamped ratio) and a flip with probability
-// 1/2; val = resize the shorter side to size * 8 / 7, centre crop size (that is: the centre square
-// of 7/8 of the shorter side, exactly centred). Both then go through jpeg_decoder's fused
+// 1/2; val = resize the shorter side to size / crop_pct, centre crop size (that is: the centre
+// square of crop_pct of the shorter side, exactly centred; crop_pct 7/8 is torchvision's
+// Resize(256) + CenterCrop(224), timm's crop_pct). Both then go through jpeg_decoder's fused
 // decode-crop-resize (samples/common/jpeg.hpp: DCT scaling, bilinear, no antialias).
 //
 // Bad files: a corrupt, truncated, empty or non-JPEG file is a data_error naming the file, thrown
@@ -70,7 +71,7 @@ namespace sample {
 
 struct image_pipeline_options {
   std::string dir;                 // ImageNet layout root (dir/train/<class>/*.JPEG, dir/val/<class>/*.JPEG); unused with synthetic
-  bool train = true;               // train/: random-resized crop + flip; val/: resize shorter side (size*8/7) + centre crop
+  bool train = true;               // train/: random-resized crop + flip; val/: resize shorter side (size / crop_pct) + centre crop
   int size = 224;                  // output side
   int batch = 32;                  // images per replica per step
   int rank = 0, replicas = 1;      // this replica's shard
@@ -86,6 +87,7 @@ struct image_pipeline_options {
   // Added members (not in the interface):
   double scale_min = 0.08, scale_max = 1.0;             // RandomResizedCrop's area range
   double ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;  // and its aspect-ratio range
+  double crop_pct = 0.875;                              // val: the centre square's share of the shorter side
   bool channels_last = false;      // images as (batch, size, size, 3), NHWC, instead of NCHW
   unsigned scales = simd_scales;   // DCT scales the decoder may choose (jpeg.hpp: 1/8, 2/8, 4/8, 8/8; all_scales for all n/8)
   double timeout_s = 600;          // next() and start_epoch() give up (std::runtime_error) after waiting this long
@@ -118,9 +120,11 @@ inline crop_rect random_resized_crop(int width, int height, rng& g, double scale
           static_cast<double>(h)};
 }
 
-// Validation: the centre square of 7/8 of the shorter side (Resize(size * 8 / 7) + CenterCrop(size)).
-inline crop_rect centre_crop(int width, int height) {
-  const double side = std::min(width, height) * 7.0 / 8.0;
+// Validation: the centre square of crop_pct of the shorter side (Resize(size / crop_pct) +
+// CenterCrop(size)); 7/8 by default, as torchvision's ImageNet evaluation. Images whose subject fills
+// the frame (Fashion-MNIST's garments) lose their edges to it: crop_pct 1 keeps the whole square.
+inline crop_rect centre_crop(int width, int height, double crop_pct = 0.875) {
+  const double side = std::min(width, height) * crop_pct;
   return {(width - side) / 2, (height - side) / 2, side, side};
 }
 
@@ -258,6 +262,8 @@ class image_pipeline {
                                   ", rank " + std::to_string(o_.rank) + " of " + std::to_string(o_.replicas) + ", threads " +
                                   std::to_string(o_.threads) + ", prefetch " + std::to_string(o_.prefetch) +
                                   ": each must be >= 1 and rank < replicas");
+    if (!(o_.crop_pct > 0 && o_.crop_pct <= 1))
+      throw std::invalid_argument("image_pipeline: crop_pct " + std::to_string(o_.crop_pct) + " must be in (0, 1]");
     if (o_.synthetic) {
       if (o_.synthetic_classes < 1 || o_.synthetic_images < 1)
         throw std::invalid_argument("image_pipeline: synthetic mode needs classes and images >= 1");
@@ -493,7 +499,7 @@ class image_pipeline {
                    plan.rect = random_resized_crop(h.width, h.height, g, o.scale_min, o.scale_max, o.ratio_min, o.ratio_max);
                    plan.flip = (g.next() & 1) != 0;
                  } else {
-                   plan.rect = centre_crop(h.width, h.height);
+                   plan.rect = centre_crop(h.width, h.height, o.crop_pct);
                  }
                  return plan;
                },

@@ -27,10 +27,13 @@ inline void usage(const char* program, const options& d) {
       "  --skip-bad-images     count and skip corrupt files instead of stopping with their name\n"
       "  --crop-scale MIN      training crops cover MIN..1 of the image's area (RandomResizedCrop's scale;\n"
       "                        default %g; small images and short runs want a larger MIN)\n"
+      "  --crop-pct F          validation's centre crop keeps F of the shorter side (default %g, torchvision's\n"
+      "                        Resize + CenterCrop; 1 = the whole image, for subjects that fill the frame)\n"
       "  --val-limit N         validate on the first N val images only (0 = all)\n"
       "  --val-every N         validate after every N-th epoch and after the last (default 1; others: nan)\n"
       "  --out DIR             metrics.csv, metrics.png, metrics.gp and checkpoint.bin go here (default %s)\n"
       "  --resume              continue from DIR/checkpoint.bin with the same flags, bit-for-bit\n"
+      "  --evaluate            validate DIR/checkpoint.bin (the training run's flags) and stop; nothing written\n"
       "  --stop-after N        end after N epochs of this invocation, checkpoint written\n"
       "  --steps N             stop after N steps, no checkpoint; prints images/s (with --synthetic: the benchmark)\n"
       "  --print-every N       progress line every N steps (default %d)\n"
@@ -64,7 +67,7 @@ inline void usage(const char* program, const options& d) {
       "  --epochs E            (default %d)\n"
       "  --seed S              initialisation, data order and augmentation (default %llu)\n"
       "  --help                this text\n",
-      program, d.classes, d.synthetic_images, d.size, d.decode_threads, d.crop_scale, d.out.c_str(), d.print_every,
+      program, d.classes, d.synthetic_images, d.size, d.decode_threads, d.crop_scale, d.crop_pct, d.out.c_str(), d.print_every,
       d.precision.c_str(), d.label_smoothing, d.bn_group, d.ranks, d.batch, d.topology.c_str(), d.codec.c_str(),
       d.codec_block, d.optimizer.c_str(), d.warmup_epochs, d.end_lr, d.power, d.momentum, d.weight_decay,
       d.lars_trust, d.epochs, static_cast<unsigned long long>(d.seed));
@@ -85,6 +88,8 @@ inline options parse_flags(int argc, char** argv) {
     else if (p.is("--decode-threads")) o.decode_threads = std::max(1, integer());
     else if (p.is("--skip-bad-images")) o.skip_bad = true;
     else if (p.is("--crop-scale")) o.crop_scale = p.number();
+    else if (p.is("--crop-pct")) o.crop_pct = p.number();
+    else if (p.is("--evaluate")) o.evaluate = true;
     else if (p.is("--val-limit")) o.val_limit = static_cast<long long>(p.number());
     else if (p.is("--val-every")) o.val_every = integer();
     else if (p.is("--out")) o.out = p.value();

@@ -57,6 +57,8 @@ struct options {
   bool cache = false;
   bool skip_bad = false;
   double crop_scale = 0.08;  // smallest area of RandomResizedCrop's training crop, as a fraction of the image
+  double crop_pct = 0.875;   // validation's centre crop: this share of the shorter side (not a training flag)
+  bool evaluate = false;     // validate OUT/checkpoint.bin and stop
   std::string precision = "fp32";  // fp32 | bf16
   std::string recipe = "none";     // none | mlperf
   std::string topology = "ring";
@@ -212,6 +214,7 @@ inline sample::image_pipeline_options pipeline_options(const options& o, bool tr
   p.threads = o.decode_threads;
   p.skip_bad = o.skip_bad;
   p.scale_min = o.crop_scale;
+  p.crop_pct = o.crop_pct;
   p.synthetic = o.synthetic;
   p.synthetic_classes = o.classes;
   p.synthetic_images = static_cast<std::size_t>(o.synthetic_images);
@@ -235,12 +238,12 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
   const std::string ckpt_path = o.out + "/checkpoint.bin", csv_path = o.out + "/metrics.csv";
   int first_epoch = 0;
   long long step = 0;
-  if (o.resume) {
+  if (o.resume || o.evaluate) {
     const checkpoint c = load_checkpoint(ckpt_path, o, classes, leader ? stderr : nullptr);
     rep.restore(c, rank, R, ckpt_path);
     first_epoch = c.epochs_done;
     step = c.global_step;
-    if (leader && !o.quiet) std::printf("resuming %s after epoch %d (step %lld)\n", ckpt_path.c_str(), first_epoch, step);
+    if (leader && !o.quiet && !o.evaluate) std::printf("resuming %s after epoch %d (step %lld)\n", ckpt_path.c_str(), first_epoch, step);
   } else if (leader) {
     sample::csv_start(csv_path, "epoch,step,images,seconds,lr,train_loss,val_loss,top1,top5,images_per_s");
   }
@@ -253,6 +256,39 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
   clock::time_point t_bench{};
   long long bench_steps = 0;
   const long long first_step = step;
+
+  // Adds this replica's shard of val/ to sums (top-1 hits, top-5 hits, loss sum, images).
+  auto validate_shard = [&](float* sums) {
+    val->start_epoch(0);
+    long long seen = 0;
+    while (val->next(images.data(), labels.data())) {
+      int valid = 0;
+      while (valid < B && labels[static_cast<std::size_t>(valid)] >= 0) ++valid;
+      if (o.val_limit > 0) valid = static_cast<int>(std::min<long long>(valid, std::max(0LL, o.val_limit / R - seen)));
+      if (valid == 0) continue;
+      int t1 = 0, t5 = 0;
+      sums[2] += rep.evaluate(images.data(), labels.data(), B, valid, bng, &t1, &t5) * valid;
+      sums[0] += static_cast<float>(t1), sums[1] += static_cast<float>(t5), sums[3] += static_cast<float>(valid);
+      seen += valid;
+    }
+  };
+
+  if (o.evaluate) {  // --evaluate: the checkpoint's model on val/, nothing trained or written
+    float sums[5] = {0, 0, 0, 0, 0};
+    validate_shard(sums);
+    lockstep::all_reduce(world, std::span<float>(sums, 5));
+    if (leader) {
+      const double n = sums[3] > 0 ? sums[3] : NAN;
+      result.epochs.push_back({first_epoch, step, 0, 0, schedule(static_cast<double>(step)), NAN, sums[2] / n,
+                               sums[0] / n, sums[1] / n});
+      if (!o.quiet)
+        std::printf("evaluated %s (after epoch %d) on %.0f val images, crop-pct %g: top-1 %.2f%%  top-5 %.2f%%  "
+                    "loss %.4f\n",
+                    ckpt_path.c_str(), first_epoch, sums[3], o.crop_pct, 100.0 * sums[0] / n, 100.0 * sums[1] / n,
+                    sums[2] / n);
+    }
+    return;
+  }
 
   const int last_epoch = o.stop_after > 0 ? std::min(o.epochs, first_epoch + o.stop_after) : o.epochs;
   for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
@@ -299,20 +335,7 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
 
     // Validation: each replica its shard of val/ (padding entries have label -1).
     float sums[5] = {0, 0, 0, 0, static_cast<float>(loss_sum)};  // top1, top5, val loss sum, images, train loss sum
-    if (val && ((epoch + 1) % o.val_every == 0 || epoch + 1 == o.epochs)) {
-      val->start_epoch(0);
-      long long seen = 0;
-      while (val->next(images.data(), labels.data())) {
-        int valid = 0;
-        while (valid < B && labels[static_cast<std::size_t>(valid)] >= 0) ++valid;
-        if (o.val_limit > 0) valid = static_cast<int>(std::min<long long>(valid, std::max(0LL, o.val_limit / R - seen)));
-        if (valid == 0) continue;
-        int t1 = 0, t5 = 0;
-        sums[2] += rep.evaluate(images.data(), labels.data(), B, valid, bng, &t1, &t5) * valid;
-        sums[0] += static_cast<float>(t1), sums[1] += static_cast<float>(t5), sums[3] += static_cast<float>(valid);
-        seen += valid;
-      }
-    }
+    if (val && ((epoch + 1) % o.val_every == 0 || epoch + 1 == o.epochs)) validate_shard(sums);
     lockstep::all_reduce(world, std::span<float>(sums, 5));
 
     std::vector<float> residuals;
@@ -357,6 +380,8 @@ inline void validate(const options& o) {
   if (o.label_smoothing < 0 || o.label_smoothing >= 1) bad("--label-smoothing must be in [0, 1)");
   if (o.classes < 2) bad("--classes must be at least 2");
   if (!(o.crop_scale > 0 && o.crop_scale <= 1)) bad("--crop-scale must be in (0, 1]");
+  if (!(o.crop_pct > 0 && o.crop_pct <= 1)) bad("--crop-pct must be in (0, 1]");
+  if (o.evaluate && o.synthetic) bad("--evaluate needs --data (synthetic runs have no val/)");
   if (o.val_every < 1) bad("--val-every must be at least 1");
 }
 
