@@ -304,36 +304,33 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
     }
   }
   SECTION("direct's fan-in: a rank that never calls, one that stalls inside it, one that throws") {
+    // 5 ranks run `body`; they must time out naming rank 2, with `what` in the message.
+    auto times_out_naming_2 = [&](auto body, const char* what) {
+      try {
+        run_inproc(5, body, quick);
+        FAIL("no error");
+      } catch (const error& e) {
+        CHECK(e.code() == errc::timeout);
+        CHECK(e.peer() == 2);
+        CHECK_THAT(e.what(), Catch::Contains(what));
+      }
+    };
     // Rank 2 never calls: the others time out at the header round, naming rank 2.
-    try {
-      run_inproc(5, [](inproc_group& g) {
-        if (g.rank() == 2) return;
-        std::vector<float> v(100003);
-        codec::dyntree8 c;
-        all_reduce(g, std::span<float>(v), topology::direct{}, c);
-      }, quick);
-      FAIL("no error");
-    } catch (const error& e) {
-      CHECK(e.code() == errc::timeout);
-      CHECK(e.peer() == 2);
-      CHECK_THAT(e.what(), Catch::Contains("all_reduce(direct, dyntree8) on rank"));
-    }
+    times_out_naming_2([](inproc_group& g) {
+      if (g.rank() == 2) return;
+      std::vector<float> v(100003);
+      codec::dyntree8 c;
+      all_reduce(g, std::span<float>(v), topology::direct{}, c);
+    }, "all_reduce(direct, dyntree8) on rank");
     // Rank 2 enters (its header goes out) and then stalls in its first encode, past the timeout:
     // every other rank waits on 2's copy inside the fan-in, holding the copies it has already read
     // from the others, and times out naming rank 2, never a hang.
-    try {
-      run_inproc(5, [](inproc_group& g) {
-        stalls_on_rank_2 c;
-        c.rank = g.rank();
-        std::vector<float> v(100003, 1.0f);
-        all_reduce(g, std::span<float>(v), topology::direct{}, c);
-      }, quick);
-      FAIL("no error");
-    } catch (const error& e) {
-      CHECK(e.code() == errc::timeout);
-      CHECK(e.peer() == 2);
-      CHECK_THAT(e.what(), Catch::Contains("no data from the peer"));
-    }
+    times_out_naming_2([](inproc_group& g) {
+      stalls_on_rank_2 c;
+      c.rank = g.rank();
+      std::vector<float> v(100003, 1.0f);
+      all_reduce(g, std::span<float>(v), topology::direct{}, c);
+    }, "no data from the peer");
     // A rank whose epilogue throws after the fan-in: the others hear of it at once, by name.
     try {
       run_inproc(4, [](inproc_group& g) {

@@ -131,7 +131,7 @@ inline options parse_flags(int argc, char** argv) {
 }
 
 inline void print_summary(const run_result& r) {
-  if (!r.epochs.empty()) {
+  if (!r.epochs.empty() && !r.evaluated) {  // --evaluate printed its own line
     const auto& e = r.epochs.back();
     std::printf("final val top-1 %.2f%%, top-5 %.2f%% after %d epochs, %.1f img/s; metrics %s, plot %s, checkpoint %s\n",
                 100.0 * e.top1, 100.0 * e.top5, e.epoch, e.images_per_s, r.csv.c_str(), r.plot.c_str(),

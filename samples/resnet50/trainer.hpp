@@ -141,6 +141,7 @@ struct run_result {
   double images_per_s = 0;  // of the steps after the first of this invocation
   long long steps = 0;
   float last_loss = 0;
+  bool evaluated = false;  // --evaluate: epochs holds the checkpoint's validation only
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -279,6 +280,7 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
     lockstep::all_reduce(world, std::span<float>(sums, 5));
     if (leader) {
       const double n = sums[3] > 0 ? sums[3] : NAN;
+      result.evaluated = true;
       result.epochs.push_back({first_epoch, step, 0, 0, schedule(static_cast<double>(step)), NAN, sums[2] / n,
                                sums[0] / n, sums[1] / n});
       if (!o.quiet)
