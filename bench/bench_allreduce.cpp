@@ -281,11 +281,16 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
     autom = calibrate_automatic(g);
     if (g.rank() == 0 && !o.json) {
       // The calibration, as the command that shows the comparisons automatic makes with it.
-      std::printf("# automatic: calibrated alpha %.2f us, bandwidth %.3f GB/s, overhead %.2f us; its choices: lockstep-sim "
-                  "--explain --ranks %d --latency-us %.3f --gbit %.4f --overhead-us %.3f --segment-bytes %zu",
-                  autom->link.latency_s * 1e6, autom->link.bandwidth_Bps / 1e9, autom->link.overhead_s * 1e6, g.size(),
-                  autom->link.latency_s * 1e6, autom->link.bandwidth_Bps * 8 / 1e9, autom->link.overhead_s * 1e6,
+      std::printf("# automatic: calibrated alpha %.2f us, bandwidth %.3f GB/s, eta %.3f, overhead %.2f us; its choices: "
+                  "lockstep-sim --explain --ranks %d --latency-us %.3f --gbit %.4f --exchange-efficiency %.4f "
+                  "--overhead-us %.3f --segment-bytes %zu --segment-choices ",
+                  autom->link.latency_s * 1e6, autom->link.bandwidth_Bps / 1e9, autom->link.exchange_efficiency,
+                  autom->link.overhead_s * 1e6, g.size(), autom->link.latency_s * 1e6,
+                  autom->link.bandwidth_Bps * 8 / 1e9, autom->link.exchange_efficiency, autom->link.overhead_s * 1e6,
                   g.segment_bytes());
+      if (autom->segment_choices.empty()) std::printf("none");
+      for (std::size_t i = 0; i < autom->segment_choices.size(); ++i)
+        std::printf("%s%zu", i ? "," : "", autom->segment_choices[i]);
       for (const auto& [name, r] : autom->rates)
         std::printf(" --gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
       std::printf(" --codec ... --bytes ...\n");

@@ -56,6 +56,7 @@ struct options {
   std::string fit_file, against_file;
   double compute_s = 0.1, params = 60e6, overlap = 0;
   double min_compare_bytes = 4.0 * 1024 * 1024;
+  std::optional<std::vector<std::size_t>> segment_choices;  // --segment-choices; else automatic's own
 };
 
 void usage() {
@@ -94,6 +95,8 @@ void usage() {
       "                       every candidate topology and segment size with its predicted time, the\n"
       "                       choice marked (the library's own function, on --latency-us, --gbit,\n"
       "                       --exchange-efficiency and --segment-bytes as the group's segment)\n"
+      "  --segment-choices L  --explain: the segment sizes tried besides the group's (default\n"
+      "                       256K,4M; none: only the group's), as the calibration leaves them\n"
       "  --gamma-ns C:E,D,A   codec C's encode, decode, decode-add ns/value (as lockstep-bench-allreduce\n"
       "                       prints its calibration); repeatable\n"
       "  --json               one JSON object per line");
@@ -143,6 +146,12 @@ options parse(int argc, char** argv) {
     else if (a == "--min-bytes") o.min_compare_bytes = parse_size(next());
     else if (a == "--speedup") o.speedup = true;
     else if (a == "--explain") o.explain = true;
+    else if (a == "--segment-choices") {
+      const std::string v = next();
+      o.segment_choices.emplace();
+      if (v != "none")
+        for (auto& x : lockstep::bench::split_list(v)) o.segment_choices->push_back(static_cast<std::size_t>(parse_size(x)));
+    }
     else if (a == "--gamma-ns") {
       const std::string v = next();
       const auto colon = v.find(':');
@@ -343,6 +352,7 @@ int run_explain(const options& o) {
   if (o.measure_gamma) print_gamma(o, models);
   topology::automatic a;
   a.link = o.cl.nic;
+  if (o.segment_choices) a.segment_choices = *o.segment_choices;
   if (!o.json)
     std::printf("# topology::automatic on alpha %.2f us, %.3f Gbit/s, eta %.2f, overhead %.2f us; group segment %zu bytes\n",
                 o.cl.nic.latency_s * 1e6, o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency,
@@ -352,14 +362,7 @@ int run_explain(const options& o) {
       for (double bytes : o.bytes) {
         const std::size_t n = static_cast<std::size_t>(bytes) / sizeof(float);
         const auto all = a.explain(topology::operation::all_reduce, size, n, models.at(cn), o.cl.segment_bytes);
-        // choose()'s rule: the fastest at the group's segment (the earlier on a tie), unless
-        // another segment size is faster by more than the margin
-        std::size_t best = 0, other = all.size();
-        for (std::size_t i = 0; i < all.size(); ++i) {
-          if (all[i].segment_bytes == 0 && all[i].predicted_s < all[best].predicted_s) best = i;
-          if (all[i].segment_bytes != 0 && (other == all.size() || all[i].predicted_s < all[other].predicted_s)) other = i;
-        }
-        if (other < all.size() && all[other].predicted_s < all[best].predicted_s * (1 - a.segment_margin)) best = other;
+        const std::size_t best = topology::automatic::pick(all, a.segment_margin);
         if (!o.json) std::printf("%-9s %5d ranks %12.0f bytes:\n", cn.c_str(), size, bytes);
         for (std::size_t i = 0; i < all.size(); ++i) {
           const auto& c = all[i];

@@ -173,3 +173,130 @@ TEST_CASE("calibrate_automatic leaves every rank with the same parameters", "[au
   CHECK(got[0].link.overhead_s >= 0);
   CHECK(got[0].rates.at("fp32").decode_add_s > 0);
 }
+
+namespace {
+
+// fp32's gamma on the machine of these tests: the decode-add (the reduction) only.
+const sim::codec_rates fp32_rates{0, 0, 0.3e-9};
+
+// automatic as calibrate_automatic hands it to the fit: the rates measured.
+automatic with_rates() {
+  automatic a;
+  a.rates["fp32"] = fp32_rates;
+  return a;
+}
+
+// The times calibrate_automatic would measure on a machine that is exactly the simulator on
+// `link` (and, for the quarter-segment ring, `quarter_factor` times what the simulator says).
+std::vector<detail::calibration_case> simulated_cases(int size, const sim::link_params& link, std::size_t segment,
+                                                      double quarter_factor = 1.0) {
+  using K = detail::calibration_case;
+  std::vector<K> cases = detail::calibration_cases(size);
+  const sim::codec_model model = sim::model_of(codec::fp32{}, fp32_rates);
+  for (K& k : cases) {
+    sim::cluster cl;
+    cl.nic = link;
+    cl.segment_bytes = k.kind == K::ring_quarter ? detail::quarter_segment(segment) : segment;
+    cl.segments_ahead = sim::cluster::as_executor;
+    sim::simulator s(cl, model);
+    const std::size_t n = detail::calibration_elems(size, k.bytes);
+    switch (k.kind) {
+      case K::ring: k.seconds = s.all_reduce(topology::ring{}, size, n).time_s; break;
+      case K::ring_quarter: k.seconds = quarter_factor * s.all_reduce(topology::ring{}, size, n).time_s; break;
+      case K::recursive_doubling: k.seconds = s.all_reduce(topology::recursive_doubling{}, size, n).time_s; break;
+      case K::halving_doubling: k.seconds = s.all_reduce(topology::halving_doubling{}, size, n).time_s; break;
+    }
+  }
+  return cases;
+}
+
+bool has_finer(const automatic& a, std::size_t segment) {
+  for (std::size_t s : a.segment_choices)
+    if (s < segment) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("the calibration's fit recovers the link that produced its times", "[automatic]") {
+  const std::size_t seg = std::size_t{1} << 20;
+  for (int size : {3, 4, 8})
+    for (double eta : {1.0, 0.8, 0.6}) {
+      CAPTURE(size, eta);
+      const sim::link_params truth{10e-6, 5e9, eta};
+      const auto cases = simulated_cases(size, truth, seg);
+      const automatic a = detail::fit_calibration(with_rates(), size, seg, cases);
+      CAPTURE(a.link.latency_s, a.link.bandwidth_Bps, a.link.overhead_s, a.link.exchange_efficiency);
+      CHECK(a.link.exchange_efficiency == Approx(eta).margin(0.03));
+      CHECK(a.link.latency_s == Approx(truth.latency_s).epsilon(0.25));
+      CHECK(a.link.bandwidth_Bps == Approx(truth.bandwidth_Bps).epsilon(0.1));
+      // The quarter segments ran as fast as the model says (it overlaps their reductions with
+      // the transfers): they stay candidates where that is faster by the margin.
+      double whole = 0, quarter = 0;
+      for (const auto& k : cases)
+        if (k.bytes == (std::size_t{4} << 20) && k.kind == detail::calibration_case::ring) whole = k.seconds;
+        else if (k.kind == detail::calibration_case::ring_quarter) quarter = k.seconds;
+      CHECK(has_finer(a, seg) == (quarter < 0.9 * whole));
+    }
+  // Two ranks: every candidate's steps are exchanges, so eta stays what it was given.
+  automatic given = with_rates();
+  given.link.exchange_efficiency = 0.9;
+  const automatic two = detail::fit_calibration(given, 2, seg, simulated_cases(2, sim::link_params{10e-6, 5e9, 0.5}, seg));
+  CHECK(two.link.exchange_efficiency == 0.9);
+}
+
+TEST_CASE("where recursive doubling ran faster than its reductions alone, the ring still gives the link", "[automatic]") {
+  // At 2 ranks a 1 MiB recursive doubling stays in cache and beats the gamma measured out of it:
+  // no positive beta fits it with the ring. The fit then takes the ring's times alone, not the
+  // default link (1 Gbit/s, a network's, which would choose for shared memory as if it were one).
+  const std::size_t seg = std::size_t{1} << 20;
+  const sim::link_params truth{10e-6, 5e9, 1.0};
+  std::vector<detail::calibration_case> cases = simulated_cases(2, truth, seg);
+  for (auto& k : cases)
+    if (k.kind == detail::calibration_case::recursive_doubling) k.seconds *= 0.2;
+  const automatic a = detail::fit_calibration(with_rates(), 2, seg, cases);
+  CHECK(a.link.bandwidth_Bps == Approx(truth.bandwidth_Bps).epsilon(0.1));
+  CHECK(a.link.latency_s == Approx(truth.latency_s).epsilon(0.25));
+}
+
+TEST_CASE("finer segments stay candidates only where the calibration measured them faster", "[automatic]") {
+  const std::size_t seg = std::size_t{1} << 20;
+  const sim::link_params link{10e-6, 5e9, 1.0};
+  // The model predicts quarter segments faster at 4 MiB on this link; measured slower, as fast, or
+  // faster by less than segment_margin (10%), they go; measured faster by more, they stay.
+  for (double factor : {0.95, 1.0, 1.25}) {
+    CAPTURE(factor);
+    std::vector<detail::calibration_case> cases = simulated_cases(4, link, seg);
+    double whole = 0;
+    for (auto& k : cases)
+      if (k.kind == detail::calibration_case::ring && k.bytes == (std::size_t{4} << 20)) whole = k.seconds;
+    for (auto& k : cases)
+      if (k.kind == detail::calibration_case::ring_quarter) k.seconds = whole * factor;
+    const automatic a = detail::fit_calibration(with_rates(), 4, seg, cases);
+    CHECK_FALSE(has_finer(a, seg));
+    // A quarter slower is overhead the model did not have: o takes some of it.
+    if (factor > 1) CHECK(a.link.overhead_s > 0);
+    // The coarser candidate stays.
+    CHECK(std::find(a.segment_choices.begin(), a.segment_choices.end(), std::size_t{4} << 20) != a.segment_choices.end());
+    // No choice at 4 MiB or 64 MiB takes a finer segment now.
+    codec::fp32 c;
+    for (std::size_t count : {std::size_t{1} << 20, std::size_t{1} << 24}) {
+      const choice ch = a.choose(operation::all_reduce, 4, count, c, seg);
+      CHECK((ch.segment_bytes == 0 || ch.segment_bytes >= seg));
+    }
+  }
+  const automatic faster = detail::fit_calibration(with_rates(), 4, seg, simulated_cases(4, link, seg, 0.7));
+  CHECK(has_finer(faster, seg));
+}
+
+TEST_CASE("forget_choices drops the choices cached on the old parameters", "[automatic]") {
+  automatic a;
+  a.link = sim::link_params{1.0, 1e15};  // all latency: recursive doubling everywhere
+  codec::fp32 c;
+  const std::size_t count = std::size_t{1} << 22, seg = std::size_t{1} << 20;
+  REQUIRE(a.choose(operation::all_reduce, 4, count, c, seg).kind == choice::recursive_doubling);
+  a.link = sim::link_params{1e-6, 1e9};  // 16 MiB is now bandwidth's
+  CHECK(a.choose(operation::all_reduce, 4, count, c, seg).kind == choice::recursive_doubling);  // cached
+  a.forget_choices();
+  CHECK(a.choose(operation::all_reduce, 4, count, c, seg).kind != choice::recursive_doubling);
+}

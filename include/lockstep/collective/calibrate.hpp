@@ -2,14 +2,25 @@
 //
 //   topology::automatic a = lockstep::calibrate_automatic(g);   // collective: every rank calls it
 //
-// Measures gamma of fp32, bf16, int8 and dyntree8 on this machine (sim::measure_rates), times
-// fp32 all-reduces over the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of
-// two, over recursive doubling (pairwise exchanges) at the same sizes, each the median of a few
-// runs, averages all of it over the group (an all_reduce: the same bits on every rank), and fits
-// alpha and beta to the closed forms (sim::fit_alpha_beta; eta held at 1), then the overhead o per
-// message (link_params::overhead_s) from the ring at 4 MiB in quarter segments against whole ones. Every rank then holds the same
-// parameters and so makes the same choices. About a quarter of a second on an idle machine; on a
-// loaded one the fit describes the load too, which is what the choices then face.
+// Measures gamma of fp32, bf16, int8 and dyntree8 on this machine (sim::measure_rates), then
+// times fp32 all-reduces, each the median of a few runs, the cases taking turns round by round
+// (so that a machine that slows down mid-way slows every case alike, not the last ones):
+//   * the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of two, recursive
+//     doubling (pairwise exchanges) at the same sizes: alpha and beta, fitted to the closed forms
+//     (sim::fit_alpha_beta);
+//   * the ring and halving-doubling at 1 MiB and 4 MiB (3 ranks and more): the same bytes one way
+//     and in pairwise exchanges, so eta (link_params::exchange_efficiency) is what makes the
+//     simulator's halving-doubling / ring ratio the measured one;
+//   * the ring at 4 MiB in quarter segments against the group's: the overhead o per message, and
+//     whether segments finer than the group's pay at all. Where quartering did not measure faster
+//     by automatic's segment_margin, automatic keeps no finer segment size among its candidates:
+//     the simulator overlaps a segment's reduction with the next one's transfer, which a transport
+//     whose "transfer" is the reducing core reading its peer's memory (shared memory by
+//     reference) cannot do, and no o makes it see that (the overlap absorbs it).
+// The measurements are averaged over the group (an all_reduce: the same bits on every rank) before
+// any of this, so every rank holds the same parameters and makes the same choices. About a quarter
+// of a second on an idle machine; on a loaded one the fit describes the load too, which is what the
+// choices then face.
 #pragma once
 
 #include <algorithm>
@@ -28,22 +39,175 @@
 
 namespace lockstep {
 
+namespace detail {
+
+// One timed case of the calibration.
+struct calibration_case {
+  enum kind_t : int { ring, recursive_doubling, ring_quarter, halving_doubling } kind = ring;
+  std::size_t bytes = 0;
+  double seconds = 0;  // the group's mean of every rank's median
+};
+
+// The cases calibrate_automatic times on a group of `size` ranks.
+inline std::vector<calibration_case> calibration_cases(int size) {
+  using K = calibration_case;
+  std::vector<K> cases;
+  if (size < 2) return cases;
+  // Sizes where the candidates' times cross (the choices that matter): where latency and
+  // bandwidth weigh alike, not far beyond, where every bandwidth-optimal candidate costs the same.
+  for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20}) cases.push_back({K::ring, b});
+  if ((size & (size - 1)) == 0)
+    for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20})
+      cases.push_back({K::recursive_doubling, b});
+  cases.push_back({K::ring, std::size_t{4} << 20});
+  cases.push_back({K::ring_quarter, std::size_t{4} << 20});
+  // At 2 ranks every step of every candidate is an exchange: eta is then not told apart from beta.
+  if (size > 2)
+    for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) cases.push_back({K::halving_doubling, b});
+  return cases;
+}
+
+// The elements of a case's buffer: whole chunks of the group.
+inline std::size_t calibration_elems(int size, std::size_t bytes) {
+  return std::max<std::size_t>(static_cast<std::size_t>(size), bytes / sizeof(float) / static_cast<std::size_t>(size) * static_cast<std::size_t>(size));
+}
+
+inline std::size_t quarter_segment(std::size_t group_segment) { return std::max<std::size_t>(4096, group_segment / 4); }
+
+// The link calibrate_automatic derives from its timed cases (a pure function: tests feed it times
+// of their own). `a` carries the rates already and the link to keep where a fit fails.
+inline topology::automatic fit_calibration(topology::automatic a, int size, std::size_t group_segment,
+                                           const std::vector<calibration_case>& cases) {
+  using K = calibration_case;
+  if (size < 2) return a;
+  auto time_of = [&](K::kind_t k, std::size_t bytes) {
+    for (const K& c : cases)
+      if (c.kind == k && c.bytes == bytes) return c.seconds;
+    return -1.0;
+  };
+  const sim::codec_model model = sim::model_of(codec::fp32{}, a.rates["fp32"]);
+  // alpha and beta from the one-way ring and the exchanges of recursive doubling, eta given;
+  // where those do not fit together, from the ring alone.
+  auto fit_link = [&](double eta) -> bool {
+    std::vector<sim::sample> ring_only, both;
+    for (const K& c : cases) {
+      if (c.bytes > (std::size_t{1} << 20) || (c.kind != K::ring && c.kind != K::recursive_doubling)) continue;
+      const std::size_t n = calibration_elems(size, c.bytes);
+      const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
+                                                  : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
+      sim::sample x = sim::sample_of(t, model.rates, c.seconds);
+      // eta is not a free column of this fit: the few exchanges here (whole buffers, in cache up
+      // to 1 MiB) cannot tell it from beta (free, it came out at 0.4 on a loaded 2-core machine,
+      // and then never chose an exchange where exchanges measured fastest). It is set below from
+      // the bandwidth-bound pair, and the exchanges count at beta / eta.
+      x.beta_count += x.exchange_count / eta, x.exchange_count = 0;
+      both.push_back(x);
+      if (c.kind == K::ring) ring_only.push_back(x);
+    }
+    sim::fit_result f;
+    try {
+      f = sim::fit_alpha_beta(both);
+    } catch (const error&) {
+      // Recursive doubling's whole buffer stays in cache up to 1 MiB, where its reductions run
+      // faster than the gamma measured out of cache: at 2 ranks its times can fall below that
+      // gamma's share alone (no positive beta then).
+      try {
+        f = sim::fit_alpha_beta(ring_only);
+      } catch (const error&) {
+        // On a loaded machine the times may fit no positive beta: the given link stays.
+        return false;
+      }
+    }
+    if (f.link.latency_s >= 0) a.link.latency_s = f.link.latency_s;
+    // A fit the simulator cannot use (no bandwidth: times that fell with size on a noisy
+    // machine) keeps the given link's value.
+    if (f.link.bandwidth_Bps > 0 && std::isfinite(f.link.bandwidth_Bps)) a.link.bandwidth_Bps = f.link.bandwidth_Bps;
+    return true;
+  };
+  auto simulate = [&](const sim::link_params& link, auto topo, std::size_t bytes, std::size_t segment) {
+    sim::cluster cl;
+    cl.nic = link;
+    cl.segment_bytes = segment;
+    cl.segments_ahead = sim::cluster::as_executor;
+    return sim::simulator(cl, model).all_reduce(topo, size, calibration_elems(size, bytes)).time_s;
+  };
+  const double eta_given = a.link.exchange_efficiency;
+  if (!fit_link(eta_given)) return a;
+
+  // eta: the measured halving-doubling / ring ratio over 1 and 4 MiB, which the simulator's
+  // ratio falls with eta to meet (bisection); 1 where exchanges measured no slower than predicted.
+  const double hd = time_of(K::halving_doubling, std::size_t{1} << 20) + time_of(K::halving_doubling, std::size_t{4} << 20);
+  const double rg = time_of(K::ring, std::size_t{1} << 20) + time_of(K::ring, std::size_t{4} << 20);
+  if (size > 2 && hd > 0 && rg > 0) {
+    auto ratio = [&](double eta) {
+      sim::link_params l = a.link;
+      l.exchange_efficiency = eta;
+      double h = 0, r = 0;
+      for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) {
+        h += simulate(l, topology::halving_doubling{}, b, group_segment);
+        r += simulate(l, topology::ring{}, b, group_segment);
+      }
+      return h / r;
+    };
+    const double measured = hd / rg;
+    // No lower than 0.3: a slower exchange than that is a machine busy with something else.
+    constexpr double eta_min = 0.3;
+    double eta = 1;
+    if (measured > ratio(1.0)) {
+      double lo = eta_min, hi = 1.0;
+      if (measured >= ratio(lo)) eta = lo;
+      else {
+        for (int i = 0; i < 24; ++i) {
+          const double mid = 0.5 * (lo + hi);
+          (ratio(mid) < measured ? hi : lo) = mid;
+        }
+        eta = 0.5 * (lo + hi);
+      }
+    }
+    a.link.exchange_efficiency = eta;
+    // recursive doubling's samples counted their exchanges at beta / eta: once more with this eta
+    if (eta != eta_given) fit_link(eta);
+  }
+
+  // o from what quartering the segments cost, through the simulator (the model automatic asks):
+  // the predicted difference is linear in o; the o that predicts the measured one, then alpha
+  // less the 2o per step its fit took in (one segment per step, posted and read).
+  const std::size_t q = quarter_segment(group_segment), o_bytes = std::size_t{4} << 20;
+  const double whole = time_of(K::ring, o_bytes), quarter = time_of(K::ring_quarter, o_bytes);
+  if (whole > 0 && quarter > 0) {
+    const double measured = quarter - whole;
+    auto predicted = [&](double o) {
+      sim::link_params l = a.link;
+      l.overhead_s = o;
+      return simulate(l, topology::ring{}, o_bytes, q) - simulate(l, topology::ring{}, o_bytes, group_segment);
+    };
+    const double d0 = predicted(0), slope = (predicted(1e-6) - d0) / 1e-6;
+    // No more than a whole step of the 4 KiB ring took (a flat slope on a noisy fit would make o
+    // anything at all).
+    const double o_max = time_of(K::ring, std::size_t{4} << 10) / (2.0 * (size - 1));
+    // And only from a difference beyond what separates two runs of one case (a few percent on a
+    // shared machine): the overlap makes the slope small, so a model a little off (a fitted eta of
+    // 0.62 for 0.6) would otherwise read as microseconds of o.
+    if (slope > 0 && measured - d0 > 0.02 * whole && o_max > 0) {
+      a.link.overhead_s = std::min((measured - d0) / slope, o_max);
+      a.link.latency_s = std::max(0.0, a.link.latency_s - 2 * a.link.overhead_s);
+    }
+    // Finer segments only where finer segments measured faster, by the margin a choice of them
+    // needs (a 4-rank job on 2 cores read quarter / whole from 1.02 to 1.29 in eight
+    // calibrations, and once below 1, where they then ran 25% slower).
+    if (quarter >= whole * (1 - a.segment_margin))
+      std::erase_if(a.segment_choices, [&](std::size_t s) { return s < group_segment; });
+  }
+  return a;
+}
+
+}  // namespace detail
+
 template <transport::transport T>
 topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = {}) {
   static_assert(!group<T>::ordered, "calibrate_automatic times host groups; give a stream group's link to topology::automatic");
   const int size = g.size();
-  const bool pow2 = (size & (size - 1)) == 0;
-  // (what, bytes): 0 ring, 1 recursive doubling
-  // Sizes where the candidates' times cross (the choices that matter): where latency and
-  // bandwidth weigh alike, not far beyond, where every bandwidth-optimal candidate costs the same.
-  std::vector<std::pair<int, std::size_t>> cases = {{0, 4u << 10}, {0, 64u << 10}, {0, 1u << 20}};
-  if (pow2 && size > 1) cases.insert(cases.end(), {{1, 4u << 10}, {1, 64u << 10}, {1, 1u << 20}});
-  // The overhead o per message: the ring at 4 MiB in the group's segments and in quarter ones
-  // (2: not part of the alpha-beta fit).
-  constexpr std::size_t o_bytes = 4u << 20;
-  const std::size_t o_segment = std::max<std::size_t>(4096, g.segment_bytes() / 4);
-  const std::size_t o_first = cases.size();
-  cases.insert(cases.end(), {{2, o_bytes}, {3, o_bytes}});
+  std::vector<detail::calibration_case> cases = detail::calibration_cases(size);
   constexpr int codecs = 4;
   // (codec, routine) then (case): this rank's measurements, averaged over the group below
   std::vector<float> m(codecs * 3 + cases.size(), 0.0f);
@@ -59,86 +223,50 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
   put_rates(2, sim::measure_rates(codec::int8{}, gamma_n));
   put_rates(3, sim::measure_rates(codec::dyntree8{}, gamma_n));
   codec::fp32 c;
-  auto elems = [&](std::size_t bytes) {
-    return std::max<std::size_t>(static_cast<std::size_t>(size), bytes / sizeof(float) / size * size);
-  };
-  if (size > 1)
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      std::vector<float> x(elems(cases[i].second), 1.0f);
-      const int reps = cases[i].second <= (64u << 10) ? 31 : cases[i].second <= (1u << 20) ? 9 : 5;
-      std::vector<double> ts;
-      for (int r = 0; r <= reps; ++r) {  // r = 0 warms up
+  if (size > 1) {
+    using K = detail::calibration_case;
+    auto reps_of = [](const K& k) { return k.bytes <= (64u << 10) ? 31 : 9; };
+    std::vector<std::vector<float>> bufs;
+    std::vector<std::vector<double>> ts(cases.size());
+    for (const K& k : cases) bufs.emplace_back(detail::calibration_elems(size, k.bytes), 1.0f);
+    int rounds = 0;
+    for (const K& k : cases) rounds = std::max(rounds, reps_of(k));
+    // Round 0 warms up; then each round times every case that still wants runs, in turn.
+    for (int r = 0; r <= rounds; ++r)
+      for (std::size_t i = 0; i < cases.size(); ++i) {
+        if (r > reps_of(cases[i])) continue;
+        std::vector<float>& x = bufs[i];
         std::fill(x.begin(), x.end(), 1.0f);
+        const std::span<float> s(x);
         const auto t0 = std::chrono::steady_clock::now();
         no_epilogue ep;
-        if (cases[i].first == 0 || cases[i].first == 2) all_reduce(g, std::span<float>(x), topology::ring{}, c);
-        else if (cases[i].first == 1) all_reduce(g, std::span<float>(x), topology::recursive_doubling{}, c);
-        else detail::run_call(detail::op_kind::all_reduce, g, std::span<float>(x), topology::ring{}, c, reduce_op::sum, -1, ep, detail::chunk_layout{}, o_segment);
+        switch (cases[i].kind) {
+          case K::ring: all_reduce(g, s, topology::ring{}, c); break;
+          case K::recursive_doubling: all_reduce(g, s, topology::recursive_doubling{}, c); break;
+          case K::halving_doubling: all_reduce(g, s, topology::halving_doubling{}, c); break;
+          case K::ring_quarter:
+            detail::run_call(detail::op_kind::all_reduce, g, s, topology::ring{}, c, reduce_op::sum, -1, ep,
+                             detail::chunk_layout{}, detail::quarter_segment(g.segment_bytes()));
+            break;
+        }
         const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (r > 0) ts.push_back(t);
+        if (r > 0) ts[i].push_back(t);
       }
-      // The median, not the best: a call meets the machine as it is, load included.
-      std::nth_element(ts.begin(), ts.begin() + static_cast<std::ptrdiff_t>(ts.size() / 2), ts.end());
-      m[codecs * 3 + i] = static_cast<float>(ts[ts.size() / 2] * 1e6);
+    // The median, not the best: a call meets the machine as it is, load included.
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      std::nth_element(ts[i].begin(), ts[i].begin() + static_cast<std::ptrdiff_t>(ts[i].size() / 2), ts[i].end());
+      m[codecs * 3 + i] = static_cast<float>(ts[i][ts[i].size() / 2] * 1e6);
     }
+  }
   all_reduce(g, std::span<float>(m), topology::ring{}, c, reduce_op::average);
 
   topology::automatic a = std::move(base);
+  a.forget_choices();  // made on the parameters it had
   const char* names[codecs] = {"fp32", "bf16", "int8", "dyntree8"};
   for (int i = 0; i < codecs; ++i)
     a.rates[names[i]] = {m[3 * i] * 1e-9, m[3 * i + 1] * 1e-9, m[3 * i + 2] * 1e-9};
-  if (size < 2) return a;
-  const sim::codec_model model = sim::model_of(c, a.rates["fp32"]);
-  std::vector<sim::sample> samples;
-  for (std::size_t i = 0; i < o_first; ++i) {
-    const std::size_t n = elems(cases[i].second);
-    const sim::cost_terms t = cases[i].first == 0 ? sim::ring_terms(size, n, model, g.segment_bytes(), true, true)
-                                                  : sim::recursive_doubling_terms(size, n, model, g.segment_bytes(), true, true);
-    sim::sample x = sim::sample_of(t, model.rates, m[codecs * 3 + i] * 1e-6);
-    // eta is held at 1: the exchanges measured here are too few to tell it from beta (a fit with
-    // it free came out at 0.4 on a loaded 2-core machine, and then never chose an exchange where
-    // exchanges measured fastest).
-    x.beta_count += x.exchange_count, x.exchange_count = 0;
-    samples.push_back(x);
-  }
-  // On a loaded machine the times may not fit any positive beta (fit_alpha_beta refuses them):
-  // then the given link stays, which every rank keeps alike.
-  sim::fit_result f;
-  f.link = a.link;
-  try {
-    f = sim::fit_alpha_beta(samples);
-  } catch (const error&) {
-    return a;
-  }
-  // A fit the simulator cannot use (no bandwidth: times that fell with size on a noisy machine)
-  // keeps the given link's value.
-  if (f.link.latency_s >= 0) a.link.latency_s = f.link.latency_s;
-  if (f.link.bandwidth_Bps > 0 && std::isfinite(f.link.bandwidth_Bps)) a.link.bandwidth_Bps = f.link.bandwidth_Bps;
-  if (f.link.exchange_efficiency > 0 && f.link.exchange_efficiency <= 1) a.link.exchange_efficiency = f.link.exchange_efficiency;
-  // o from what quartering the segments cost, through the simulator (the model automatic asks):
-  // the predicted difference is linear in o; the o that predicts the measured one, then alpha
-  // less the 2o per step its fit took in (one segment per step, posted and read).
-  const double measured = (m[codecs * 3 + o_first + 1] - m[codecs * 3 + o_first]) * 1e-6;
-  auto predicted = [&](double o) {
-    sim::cluster cl;
-    cl.nic = a.link;
-    cl.nic.overhead_s = o;
-    cl.segments_ahead = sim::cluster::as_executor;
-    auto run = [&](std::size_t seg) {
-      cl.segment_bytes = seg;
-      return sim::simulator(cl, model).all_reduce(topology::ring{}, size, elems(o_bytes)).time_s;
-    };
-    return run(o_segment) - run(g.segment_bytes());
-  };
-  const double d0 = predicted(0), slope = (predicted(1e-6) - d0) / 1e-6;
-  // No more than a whole step of the 4 KiB ring took (a flat slope on a noisy fit would make o
-  // anything at all).
-  const double o_max = m[codecs * 3] * 1e-6 / (2.0 * (size - 1));
-  if (slope > 0 && measured > d0) {
-    a.link.overhead_s = std::min((measured - d0) / slope, o_max);
-    a.link.latency_s = std::max(0.0, a.link.latency_s - 2 * a.link.overhead_s);
-  }
-  return a;
+  for (std::size_t i = 0; i < cases.size(); ++i) cases[i].seconds = m[codecs * 3 + i] * 1e-6;
+  return detail::fit_calibration(std::move(a), size, g.segment_bytes(), cases);
 }
 
 }  // namespace lockstep

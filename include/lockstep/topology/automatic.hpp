@@ -76,7 +76,8 @@ struct automatic {
   // and gamma per codec name (codec.name(); a codec without an entry costs no compute).
   sim::link_params link{};
   std::map<std::string, sim::codec_rates> rates{};
-  // Segment sizes tried besides the group's own (host groups only: a stream sends a chunk whole).
+  // Segment sizes tried besides the group's own (host groups only: a stream sends a chunk whole);
+  // calibrate_automatic drops the finer ones where finer segments measured no faster.
   std::vector<std::size_t> segment_choices{std::size_t{256} << 10, std::size_t{4} << 20};
   // ... taken only where predicted faster than the best at the group's segment by this fraction.
   double segment_margin = 0.10;
@@ -128,6 +129,25 @@ struct automatic {
     return out;
   }
 
+  // Which of explain()'s candidates a call takes: the fastest at the group's segment (the earlier
+  // on a tie), unless another segment size is predicted faster than it by more than `margin`:
+  // what segments overlap is the model's finest effect and what a message costs its least
+  // certain part (256 KiB segments it predicted 6% faster at 4 MiB ran 10..20% slower,
+  // docs/benchmarks.md).
+  static std::size_t pick(const std::vector<choice>& all, double margin) {
+    std::size_t best = 0, other = all.size();
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      if (all[i].segment_bytes == 0 && all[i].predicted_s < all[best].predicted_s) best = i;
+      if (all[i].segment_bytes != 0 && (other == all.size() || all[i].predicted_s < all[other].predicted_s)) other = i;
+    }
+    if (other < all.size() && all[other].predicted_s < all[best].predicted_s * (1 - margin)) best = other;
+    return best;
+  }
+
+  // Forgets the cached choices of this copy (and of copies made from it from now on), as after
+  // its parameters changed: calibrate_automatic does it.
+  void forget_choices() { cache_ = std::make_shared<cache>(); }
+
   // The choice for this call: forced by LOCKSTEP_TOPOLOGY, else the fastest prediction.
   template <codec::codec C>
   choice choose(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
@@ -140,16 +160,7 @@ struct automatic {
       if (auto it = cache_->table.find(k); it != cache_->table.end()) return it->second;
     }
     const std::vector<choice> all = explain(op, size, count, codec, group_segment, stream_ordered);
-    choice best = all.front(), best_other = all.front();
-    bool other = false;
-    for (const choice& c : all) {
-      if (c.segment_bytes == 0 && c.predicted_s < best.predicted_s) best = c;
-      if (c.segment_bytes != 0 && (!other || c.predicted_s < best_other.predicted_s)) best_other = c, other = true;
-    }
-    // Another segment size only for a clear win: what segments overlap is the model's finest
-    // effect and what a message costs its least certain part (256 KiB segments it predicted 6%
-    // faster at 4 MiB ran 10..20% slower, docs/benchmarks.md).
-    if (other && best_other.predicted_s < best.predicted_s * (1 - segment_margin)) best = best_other;
+    const choice best = all[pick(all, segment_margin)];
     std::lock_guard lk(cache_->m);
     if (cache_->table.size() >= max_cached) cache_->table.clear();
     cache_->table.emplace(k, best);
