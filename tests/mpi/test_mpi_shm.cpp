@@ -43,6 +43,14 @@ bool env_off(const char* name) {
   const char* env = std::getenv(name);
   return env && std::string(env) == "0";
 }
+bool env_on(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::string(env) == "1";
+}
+
+// The note where by-reference sends were asked for and Linux forbids them (Yama ptrace_scope 2
+// or 3, some containers).
+const std::string not_allowed = "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)";
 
 // The number of ranks, or 0 (the run skipped) with one: no peer to reach through shared memory.
 int peers_or_skip() {
@@ -76,12 +84,22 @@ TEST_CASE("mpi reaches the ranks of its node through shared memory, unless told 
   CHECK(t.shared_memory_peers() == t.size() - 1);
   // Where Linux forbids reading a sibling's memory (Yama ptrace_scope 2 or 3, some containers)
   // by-reference sends are off and the note says so; everything else still holds.
+  // By-reference sends are off unless asked for (mpi_options, LOCKSTEP_MPI_CMA=1).
   if (t.by_reference())
     CHECK(t.shared_memory_note().empty());
   else if (env_off("LOCKSTEP_MPI_CMA"))
     CHECK(t.shared_memory_note() == "on, without by-reference sends (off by request)");
+  else if (!env_on("LOCKSTEP_MPI_CMA"))
+    CHECK(t.shared_memory_note() == "on, without by-reference sends (off by default; LOCKSTEP_MPI_CMA=1 turns them on)");
   else
-    CHECK(t.shared_memory_note() == "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)");
+    CHECK(t.shared_memory_note() == not_allowed);
+  if (env_on("LOCKSTEP_MPI_CMA")) CHECK((t.by_reference() || t.shared_memory_note() == not_allowed));
+  else CHECK_FALSE(t.by_reference());
+  // Asked for in the options: on unless LOCKSTEP_MPI_CMA=0 or Linux forbids it.
+  mpi asked(MPI_COMM_WORLD, mpi_options{true, 0, true});
+  if (env_off("LOCKSTEP_MPI_CMA")) CHECK(asked.shared_memory_note() == "on, without by-reference sends (off by request)");
+  else CHECK((asked.by_reference() || asked.shared_memory_note() == not_allowed));
+  // Refused in the options: off, whatever the environment says.
   mpi copies(MPI_COMM_WORLD, mpi_options{true, 0, false});
   CHECK_FALSE(copies.by_reference());
   CHECK(copies.shared_memory_note() == "on, without by-reference sends (off by request)");
@@ -292,7 +310,7 @@ TEST_CASE("mpi over shared memory: posted receives never stall a ring, in any or
 TEST_CASE("mpi over shared memory sends large in-place messages by reference", "[mpi][shm][needs_shm][by_reference]") {
   const int n = peers_or_skip();
   if (!n) return;
-  mpi t(MPI_COMM_WORLD);
+  mpi t(MPI_COMM_WORLD, mpi_options{true, 0, true});
   if (!on_shared_memory(t)) return;
   if (!t.by_reference()) {  // Yama ptrace_scope 2 or 3, some containers, LOCKSTEP_MPI_CMA=0
     test::skip("by-reference sends are off here: " + t.shared_memory_note());

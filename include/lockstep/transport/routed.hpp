@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -44,10 +45,15 @@ struct mpi_options {
   // Bytes of each ring (one per ordered pair of local ranks); 0: 2 MiB, less where the node has
   // so many ranks that the segment would pass 64 MiB (never below 64 KiB: from 31 local ranks).
   std::size_t ring_bytes = 0;
-  // Large sends the receiver copies (isend_in_place) go by reference: the receiver reads them from
-  // the sender's memory with process_vm_readv, where Linux allows it (checked at set-up). Off, or
-  // LOCKSTEP_MPI_CMA=0: every byte goes through the rings.
-  bool by_reference = true;
+  // Large sends the receiver copies (isend_in_place) by reference: the receiver reads them from
+  // the sender's memory with process_vm_readv, where Linux allows it (checked at set-up); else
+  // every byte goes through the rings. Unset: off unless LOCKSTEP_MPI_CMA=1; LOCKSTEP_MPI_CMA=0
+  // turns it off even where asked for. Off by default since 2026-12-03: on an AMD EPYC VM (2
+  // cores) the rings alone ran fp32 rings 1.2..4.1x faster from 256 KiB to 4 MiB and 1.0..1.3x at
+  // 64 MiB, 2 to 4 ranks (docs/benchmarks.md, "By reference or through the rings"): a by-reference
+  // send completes only when its receiver has read it, one more wake-up per message, and the
+  // kernel pins the sender's pages for every read; where wake-ups are cheap it can still win.
+  std::optional<bool> by_reference{};
 };
 
 namespace detail {
@@ -175,15 +181,17 @@ inline std::shared_ptr<routes> set_up_shared_memory(const mpi_p2p& far, const mp
   auto near = std::make_shared<shm::endpoint>(std::move(seg), lay, me, names);
   for (int i = 0; i < local; ++i) out->local_of[static_cast<std::size_t>(names[static_cast<std::size_t>(i)])] = i;
   const char* cma_env = std::getenv("LOCKSTEP_MPI_CMA");
-  const bool ref_wanted = opt.by_reference && !(cma_env && std::string(cma_env) == "0");
+  const std::string cma = cma_env ? cma_env : "";
+  const bool ref_wanted = cma != "0" && opt.by_reference.value_or(cma == "1");
   near->publish_identity();
   must(MPI_Barrier(node), "MPI_Barrier");
   int can = ref_wanted && near->can_read_peers() ? 1 : 0, all_can = 0;
   must(MPI_Allreduce(&can, &all_can, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
   near->set_by_reference(all_can != 0);
   if (!all_can)
-    out->note = ref_wanted ? "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)"
-                           : "on, without by-reference sends (off by request)";
+    out->note = ref_wanted                     ? "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)"
+                : cma == "0" || opt.by_reference ? "on, without by-reference sends (off by request)"
+                                                 : "on, without by-reference sends (off by default; LOCKSTEP_MPI_CMA=1 turns them on)";
   out->near = std::move(near);
   return out;
 }
