@@ -6,6 +6,7 @@
 
 #include "thread_safe_catch.hpp"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -299,4 +300,35 @@ TEST_CASE("forget_choices drops the choices cached on the old parameters", "[aut
   CHECK(a.choose(operation::all_reduce, 4, count, c, seg).kind == choice::recursive_doubling);  // cached
   a.forget_choices();
   CHECK(a.choose(operation::all_reduce, 4, count, c, seg).kind != choice::recursive_doubling);
+}
+
+TEST_CASE("the segment test decides only where its two runs differ, and an old overhead does not count twice", "[automatic]") {
+  const std::size_t seg = std::size_t{1} << 20;
+  const sim::link_params link{10e-6, 5e9, 1.0};
+  // 16 ranks: a ring chunk of 4 MiB is 256 KiB, one quarter segment, so both runs are one
+  // schedule and what they measured is noise: the finer candidates stay, however it came out.
+  std::vector<detail::calibration_case> cases = simulated_cases(16, link, seg);
+  for (auto& k : cases)
+    if (k.kind == detail::calibration_case::ring_quarter) k.seconds *= 2;
+  CHECK(has_finer(detail::fit_calibration(with_rates(), 16, seg, cases), seg));
+  // The same at 4 ranks does decide.
+  cases = simulated_cases(4, link, seg);
+  for (auto& k : cases)
+    if (k.kind == detail::calibration_case::ring_quarter) k.seconds *= 2;
+  CHECK_FALSE(has_finer(detail::fit_calibration(with_rates(), 4, seg, cases), seg));
+  // A base that held an overhead (an earlier calibration's) fits as one that held none.
+  const auto plain = simulated_cases(4, link, seg);
+  automatic earlier = with_rates();
+  earlier.link.overhead_s = 5e-6;
+  const automatic a = detail::fit_calibration(earlier, 4, seg, plain), b = detail::fit_calibration(with_rates(), 4, seg, plain);
+  CHECK(a.link.overhead_s == b.link.overhead_s);
+  CHECK(a.link.latency_s == b.link.latency_s);
+  CHECK(a.link.exchange_efficiency == b.link.exchange_efficiency);
+  // A caller's eta outside (0, 1] is not divided by.
+  automatic odd = with_rates();
+  odd.link.exchange_efficiency = 0;
+  const automatic c = detail::fit_calibration(odd, 4, seg, plain);
+  CHECK(std::isfinite(c.link.bandwidth_Bps));
+  CHECK(c.link.exchange_efficiency > 0);
+  CHECK(c.link.exchange_efficiency <= 1);
 }

@@ -18,8 +18,8 @@
 //     whose "transfer" is the reducing core reading its peer's memory (shared memory by
 //     reference) cannot do, and no o makes it see that (the overlap absorbs it).
 // The measurements are averaged over the group (an all_reduce: the same bits on every rank) before
-// any of this, so every rank holds the same parameters and makes the same choices. About a quarter
-// of a second on an idle machine; on a loaded one the fit describes the load too, which is what the
+// any of this, so every rank holds the same parameters and makes the same choices. Well under a
+// second on an idle machine; on a loaded one the fit describes the load too, which is what the
 // choices then face.
 #pragma once
 
@@ -85,6 +85,21 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
       if (c.kind == k && c.bytes == bytes) return c.seconds;
     return -1.0;
   };
+  // The closed forms fitted below have no o term: what a message costs the core ends up in alpha,
+  // so an o the link already had (an earlier calibration's) would count twice.
+  a.link.overhead_s = 0;
+  // The segment test: the ring at 4 MiB in quarter segments against the group's. It says
+  // something only where a ring chunk (4 MiB / size) holds more than one quarter segment (else
+  // the two runs are one schedule, from 16 ranks at the default 1 MiB) and the quarter is finer
+  // than the group's segment (the 4 KiB floor).
+  const std::size_t q = quarter_segment(group_segment), o_bytes = std::size_t{4} << 20;
+  const double whole = time_of(K::ring, o_bytes), quarter = time_of(K::ring_quarter, o_bytes);
+  const bool segment_test = whole > 0 && quarter > 0 && q < group_segment && o_bytes / static_cast<std::size_t>(size) > q;
+  // Finer segments only where finer segments measured faster, by the margin a choice of them
+  // needs (a 4-rank job on 2 cores read quarter / whole from 1.02 to 1.29 in eight calibrations,
+  // and once below 1, where they then ran 25% slower). Decided before any fit, which may fail.
+  if (segment_test && quarter >= whole * (1 - a.segment_margin))
+    std::erase_if(a.segment_choices, [&](std::size_t s) { return s < group_segment; });
   const sim::codec_model model = sim::model_of(codec::fp32{}, a.rates["fp32"]);
   // alpha and beta from the one-way ring and the exchanges of recursive doubling, eta given;
   // where those do not fit together, from the ring alone.
@@ -131,14 +146,17 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     cl.segments_ahead = sim::cluster::as_executor;
     return sim::simulator(cl, model).all_reduce(topo, size, calibration_elems(size, bytes)).time_s;
   };
-  const double eta_given = a.link.exchange_efficiency;
+  // An eta outside (0, 1] (a caller's) would divide the exchanges' bytes by nothing.
+  const double eta_given = a.link.exchange_efficiency > 0 && a.link.exchange_efficiency <= 1 ? a.link.exchange_efficiency : 1.0;
+  a.link.exchange_efficiency = eta_given;
   if (!fit_link(eta_given)) return a;
 
   // eta: the measured halving-doubling / ring ratio over 1 and 4 MiB, which the simulator's
   // ratio falls with eta to meet (bisection); 1 where exchanges measured no slower than predicted.
-  const double hd = time_of(K::halving_doubling, std::size_t{1} << 20) + time_of(K::halving_doubling, std::size_t{4} << 20);
-  const double rg = time_of(K::ring, std::size_t{1} << 20) + time_of(K::ring, std::size_t{4} << 20);
-  if (size > 2 && hd > 0 && rg > 0) {
+  const double hd1 = time_of(K::halving_doubling, std::size_t{1} << 20), hd4 = time_of(K::halving_doubling, std::size_t{4} << 20);
+  const double rg1 = time_of(K::ring, std::size_t{1} << 20), rg4 = time_of(K::ring, std::size_t{4} << 20);
+  const double hd = hd1 + hd4, rg = rg1 + rg4;
+  if (size > 2 && hd1 > 0 && hd4 > 0 && rg1 > 0 && rg4 > 0) {
     auto ratio = [&](double eta) {
       sim::link_params l = a.link;
       l.exchange_efficiency = eta;
@@ -166,15 +184,14 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     }
     a.link.exchange_efficiency = eta;
     // recursive doubling's samples counted their exchanges at beta / eta: once more with this eta
+    // (where that fit fails, alpha and beta stay those fitted with eta_given, a close second).
     if (eta != eta_given) fit_link(eta);
   }
 
   // o from what quartering the segments cost, through the simulator (the model automatic asks):
   // the predicted difference is linear in o; the o that predicts the measured one, then alpha
   // less the 2o per step its fit took in (one segment per step, posted and read).
-  const std::size_t q = quarter_segment(group_segment), o_bytes = std::size_t{4} << 20;
-  const double whole = time_of(K::ring, o_bytes), quarter = time_of(K::ring_quarter, o_bytes);
-  if (whole > 0 && quarter > 0) {
+  if (segment_test) {
     const double measured = quarter - whole;
     auto predicted = [&](double o) {
       sim::link_params l = a.link;
@@ -192,11 +209,6 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
       a.link.overhead_s = std::min((measured - d0) / slope, o_max);
       a.link.latency_s = std::max(0.0, a.link.latency_s - 2 * a.link.overhead_s);
     }
-    // Finer segments only where finer segments measured faster, by the margin a choice of them
-    // needs (a 4-rank job on 2 cores read quarter / whole from 1.02 to 1.29 in eight
-    // calibrations, and once below 1, where they then ran 25% slower).
-    if (quarter >= whole * (1 - a.segment_margin))
-      std::erase_if(a.segment_choices, [&](std::size_t s) { return s < group_segment; });
   }
   return a;
 }

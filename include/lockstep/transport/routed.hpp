@@ -190,7 +190,7 @@ inline std::shared_ptr<routes> set_up_shared_memory(const mpi_p2p& far, const mp
   near->set_by_reference(all_can != 0);
   if (!all_can)
     out->note = ref_wanted                     ? "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)"
-                : cma == "0" || opt.by_reference ? "on, without by-reference sends (off by request)"
+                : cma == "0" || opt.by_reference.has_value() ? "on, without by-reference sends (off by request)"
                                                  : "on, without by-reference sends (off by default; LOCKSTEP_MPI_CMA=1 turns them on)";
   out->near = std::move(near);
   return out;
@@ -242,7 +242,8 @@ class routed {
 
   request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) { return send(peer, tag, data, bytes, false); }
   // isend for bytes that stay unchanged until the send completes and that the receiver copies
-  // rather than adds: to a peer on this node a large one goes by reference (mpi_options).
+  // rather than adds: to a peer on this node a large one goes by reference where by-reference
+  // sends are on (mpi_options).
   request isend_in_place(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
     return send(peer, tag, data, bytes, true);
   }
