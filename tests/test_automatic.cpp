@@ -307,15 +307,9 @@ TEST_CASE("the segment test decides only where its two runs differ, and an old o
   const sim::link_params link{10e-6, 5e9, 1.0};
   // 16 ranks: a ring chunk of 4 MiB is 256 KiB, one quarter segment, so both runs are one
   // schedule and what they measured is noise: the finer candidates stay, however it came out.
-  std::vector<detail::calibration_case> cases = simulated_cases(16, link, seg);
-  for (auto& k : cases)
-    if (k.kind == detail::calibration_case::ring_quarter) k.seconds *= 2;
-  CHECK(has_finer(detail::fit_calibration(with_rates(), 16, seg, cases), seg));
+  CHECK(has_finer(detail::fit_calibration(with_rates(), 16, seg, simulated_cases(16, link, seg, 2.0)), seg));
   // The same at 4 ranks does decide.
-  cases = simulated_cases(4, link, seg);
-  for (auto& k : cases)
-    if (k.kind == detail::calibration_case::ring_quarter) k.seconds *= 2;
-  CHECK_FALSE(has_finer(detail::fit_calibration(with_rates(), 4, seg, cases), seg));
+  CHECK_FALSE(has_finer(detail::fit_calibration(with_rates(), 4, seg, simulated_cases(4, link, seg, 2.0)), seg));
   // A base that held an overhead (an earlier calibration's) fits as one that held none.
   const auto plain = simulated_cases(4, link, seg);
   automatic earlier = with_rates();
