@@ -82,9 +82,9 @@ TEST_CASE("mpi reaches the ranks of its node through shared memory, unless told 
     return;
   }
   CHECK(t.shared_memory_peers() == t.size() - 1);
-  // Where Linux forbids reading a sibling's memory (Yama ptrace_scope 2 or 3, some containers)
-  // by-reference sends are off and the note says so; everything else still holds.
-  // By-reference sends are off unless asked for (mpi_options, LOCKSTEP_MPI_CMA=1).
+  // By-reference sends are off unless asked for (mpi_options, LOCKSTEP_MPI_CMA=1), and where Linux
+  // forbids reading a sibling's memory (Yama ptrace_scope 2 or 3, some containers); the note says
+  // which, and everything else still holds.
   if (t.by_reference())
     CHECK(t.shared_memory_note().empty());
   else if (env_off("LOCKSTEP_MPI_CMA"))

@@ -170,17 +170,15 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     const double measured = hd / rg;
     // No lower than 0.3: a slower exchange than that is a machine busy with something else.
     constexpr double eta_min = 0.3;
+    // (A measured ratio beyond ratio(eta_min) converges on eta_min.)
     double eta = 1;
     if (measured > ratio(1.0)) {
       double lo = eta_min, hi = 1.0;
-      if (measured >= ratio(lo)) eta = lo;
-      else {
-        for (int i = 0; i < 24; ++i) {
-          const double mid = 0.5 * (lo + hi);
-          (ratio(mid) < measured ? hi : lo) = mid;
-        }
-        eta = 0.5 * (lo + hi);
+      for (int i = 0; i < 24; ++i) {
+        const double mid = 0.5 * (lo + hi);
+        (ratio(mid) < measured ? hi : lo) = mid;
       }
+      eta = 0.5 * (lo + hi);
     }
     a.link.exchange_efficiency = eta;
     // recursive doubling's samples counted their exchanges at beta / eta: once more with this eta

@@ -8,10 +8,11 @@
 // segment (shm/endpoint.hpp: a send is complete once copied into the peer's ring, a receive
 // sleeps on a futex the sender rings, and consume reads a received message in the ring, so a
 // reduce step adds from it directly) for the peers of its own node. Set up by the constructor and
-// by split(), collectively; off with mpi_options or LOCKSTEP_MPI_SHM=0, and off by itself (shared_memory_note() says why) where the segment cannot
-// be made. Sends by reference (the receiver copies out of the sender's memory, process_vm_readv)
-// are off by default and on with mpi_options or LOCKSTEP_MPI_CMA=1 (routed.hpp says why). What the
-// path gains over MPI's own is in docs/benchmarks.md, "Shared memory between the ranks of a node".
+// by split(), collectively; off with mpi_options or LOCKSTEP_MPI_SHM=0, and off by itself
+// (shared_memory_note() says why) where the segment cannot be made. Sends by reference (the
+// receiver copies out of the sender's memory, process_vm_readv) are off by default and on with
+// mpi_options or LOCKSTEP_MPI_CMA=1 (routed.hpp says why). What the path gains over MPI's own is
+// in docs/benchmarks.md, "Shared memory between the ranks of a node".
 //
 // Over TCP (btl tcp), Open MPI sends a message above btl_tcp_eager_limit (64 KiB) by rendezvous:
 // the bulk waits for the receiver's acknowledgement, a round trip per message that, when two

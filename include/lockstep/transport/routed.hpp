@@ -189,9 +189,10 @@ inline std::shared_ptr<routes> set_up_shared_memory(const mpi_p2p& far, const mp
   must(MPI_Allreduce(&can, &all_can, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
   near->set_by_reference(all_can != 0);
   if (!all_can)
-    out->note = ref_wanted                     ? "on, without by-reference sends (process_vm_readv not allowed here, or off on another rank)"
-                : cma == "0" || opt.by_reference.has_value() ? "on, without by-reference sends (off by request)"
-                                                 : "on, without by-reference sends (off by default; LOCKSTEP_MPI_CMA=1 turns them on)";
+    out->note = std::string("on, without by-reference sends ") +
+                (ref_wanted                                   ? "(process_vm_readv not allowed here, or off on another rank)"
+                 : cma == "0" || opt.by_reference.has_value() ? "(off by request)"
+                                                              : "(off by default; LOCKSTEP_MPI_CMA=1 turns them on)");
   out->near = std::move(near);
   return out;
 }
