@@ -7,7 +7,7 @@
 // max_i |y_i - ref_i| / max_i |ref_i|, the largest error relative to the largest reduced value),
 // then times --iters in-place sums. Every iteration reduces a different buffer of a rotating set
 // larger than twice the last-level cache, so no iteration starts with its data in cache; the
-// time is the slowest rank's mean. All topology x codec cases of a size (and MPI_Allreduce) are
+// time is the slowest rank's mean (--stat median: of its rounds' median). All topology x codec cases of a size (and MPI_Allreduce) are
 // timed in interleaved rounds, each round starting with the next contender, so that a neighbour's load on a shared machine skews none of them. algbw = bytes / time, busbw = algbw * 2 (N - 1) / N (the bytes
 // each rank's link carries in a bandwidth-optimal all-reduce, as nccl-tests defines it). bytes
 // are the fp32 input's, whatever the codec puts on the wire.
@@ -53,6 +53,7 @@ struct options {
   bool json = false;
   bool mpi_peer = true;
   bool check = false;  // exit 1 when an error exceeds its codec's sanity bound
+  bool median = false;  // --stat median: the median of the rounds' per-call times, not the mean
 };
 
 [[noreturn]] void usage(const char* why) {
@@ -60,7 +61,7 @@ struct options {
                "lockstep-bench-allreduce: %s\n"
                "usage: lockstep-bench-allreduce [--transport inproc|mpi] [--topology ring|torus2d|halving_doubling|recursive_doubling|direct|automatic[,..]]\n"
                "         [--codec fp32|bf16|int8|dyntree8[,..]] [--ranks N] [--sizes 4K,1M,64M]\n"
-               "         [--iters N] [--segment-bytes B] [--no-mpi-allreduce] [--json] [--check]\n",
+               "         [--iters N] [--segment-bytes B] [--stat mean|median] [--no-mpi-allreduce] [--json] [--check]\n",
                why);
   std::exit(2);
 }
@@ -107,6 +108,11 @@ options parse(int argc, char** argv) {
     else if (a == "--no-mpi-allreduce") o.mpi_peer = false;
     else if (a == "--json") o.json = true;
     else if (a == "--check") o.check = true;
+    else if (a == "--stat") {
+      const std::string v = value();
+      if (v != "mean" && v != "median") usage(("--stat " + v + ": mean or median").c_str());
+      o.median = v == "median";
+    }
     else if (a == "--help" || a == "-h") usage("time all_reduce");
     else usage(("unknown flag " + a).c_str());
   }
@@ -179,7 +185,8 @@ struct row {
 void print_header(const options& o, int ranks, const std::string& transport) {
   if (o.json) return;
   std::printf("# lockstep-bench-allreduce: all_reduce (sum, in place), %d ranks, transport %s\n", ranks, transport.c_str());
-  std::printf("# time: slowest rank's mean; busbw = algbw * 2(N-1)/N; max_rel_err vs fp64, relative to max |result|\n");
+  std::printf("# time: slowest rank's %s; busbw = algbw * 2(N-1)/N; max_rel_err vs fp64, relative to max |result|\n",
+              o.median ? "median over rounds" : "mean");
   std::printf("#%13s %12s %-18s %-9s %11s %12s %12s %12s\n", "bytes", "count", "topology", "codec", "time(us)",
               "algbw(GB/s)", "busbw(GB/s)", "max_rel_err");
   std::fflush(stdout);
@@ -210,8 +217,9 @@ void print_row(const options& o, const row& r, std::size_t segment) {
   if (o.json) {
     std::printf(
         "{\"op\":\"all_reduce\",\"topology\":\"%s\",\"codec\":\"%s\",\"transport\":\"%s\",\"ranks\":%d,"
-        "\"bytes\":%zu,\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f,\"max_rel_err\":%.3e%s}\n",
-        r.topology.c_str(), r.codec.c_str(), r.transport.c_str(), r.ranks, r.bytes, r.time_us, algbw, busbw,
+        "\"bytes\":%zu,\"time_us\":%.3f,\"stat\":\"%s\",\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f,\"max_rel_err\":%.3e%s}\n",
+        r.topology.c_str(), r.codec.c_str(), r.transport.c_str(), r.ranks, r.bytes, r.time_us,
+        o.median ? "median" : "mean", algbw, busbw,
         r.max_rel_err,
         r.topology == "mpi_allreduce" ? ""
                                       : (",\"segment_bytes\":" + std::to_string(segment) + extra_keys +
@@ -293,6 +301,13 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
         std::printf("%s%zu", i ? "," : "", autom->segment_choices[i]);
       for (const auto& [name, r] : autom->rates)
         std::printf(" --gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
+      if (autom->cache_bytes) {
+        std::printf(" --cache-bytes %zu --cache-latency-us %.3f --cache-gbit %.4f", autom->cache_bytes,
+                    autom->cache_link.latency_s * 1e6, autom->cache_link.bandwidth_Bps * 8 / 1e9);
+        for (const auto& [name, r] : autom->cache_rates)
+          std::printf(" --cache-gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9,
+                      r.decode_add_s * 1e9);
+      }
       std::printf(" --codec ... --bytes ...\n");
     }
   }
@@ -325,7 +340,7 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
 // falls on all of them alike; and one cursor walks the rotation for all of them, so every timed
 // reduction starts from a buffer that was last touched more than 2 x LLC bytes ago.
 std::vector<row> measure(std::vector<contender>& cs, std::size_t bytes, int rank, int ranks, int iters,
-                         const rank_sync& sync, const std::string& transport_name) {
+                         const rank_sync& sync, const std::string& transport_name, bool median) {
   const std::size_t n = bytes / sizeof(float);
   rotation rot(n, llc_bytes());
   std::vector<row> rows;
@@ -343,12 +358,14 @@ std::vector<row> measure(std::vector<contender>& cs, std::size_t bytes, int rank
   std::size_t cursor = 0, filled_at = 0;
   std::vector<double> total(cs.size(), 0.0);
   const int rounds = std::min(iters, 16);
+  std::vector<std::vector<double>> per_round(cs.size());  // each round's time per call
   for (int r = 0; r < rounds; ++r) {
     const int batch = iters * (r + 1) / rounds - iters * r / rounds;
     // Each round starts with the next contender: the first after the barrier runs slower on a
     // loaded machine (4 KiB: up to 1.5x), and that penalty is shared out instead of falling on one.
     for (std::size_t turn = 0; turn < cs.size(); ++turn) {
       const std::size_t i = (turn + static_cast<std::size_t>(r)) % cs.size();
+      const double before = total[i];
       std::size_t left = static_cast<std::size_t>(batch);
       while (left > 0) {
         if (cursor - filled_at >= reuse_limit) {
@@ -362,9 +379,20 @@ std::vector<row> measure(std::vector<contender>& cs, std::size_t bytes, int rank
         total[i] += std::chrono::duration<double, std::micro>(bench_clock::now() - t0).count();
         left -= k;
       }
+      per_round[i].push_back((total[i] - before) / batch);
     }
   }
-  for (std::size_t i = 0; i < cs.size(); ++i) rows[i].time_us = sync.max(total[i] / iters);
+  // The mean; or the median of the rounds, which a burst of a neighbour's load in one round
+  // leaves alone (what a comparison of close contenders wants).
+  for (std::size_t i = 0; i < cs.size(); ++i) {
+    double t = total[i] / iters;
+    if (median) {
+      std::vector<double>& v = per_round[i];
+      std::sort(v.begin(), v.end());
+      t = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+    }
+    rows[i].time_us = sync.max(t);
+  }
   return rows;
 }
 
@@ -390,7 +418,7 @@ int run_inproc_bench(const options& o) {
         };
         auto cs = lockstep_contenders(g, o);
         for (std::size_t bytes : o.sizes)
-          for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "inproc"))
+          for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "inproc", o.median))
             if (g.rank() == 0) print_row(o, r, g.segment_bytes());
       },
       opt);
@@ -432,7 +460,7 @@ int run_mpi_bench(const options& o, int* argc, char*** argv) {
                   {}});
   try {
     for (std::size_t bytes : o.sizes)
-      for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "mpi"))
+      for (const row& r : measure(cs, bytes, g.rank(), g.size(), o.iters ? o.iters : default_iters(bytes), sync, "mpi", o.median))
         if (g.rank() == 0) print_row(o, r, g.segment_bytes());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep-bench-allreduce: %s\n", e.what());

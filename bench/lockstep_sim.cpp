@@ -57,6 +57,11 @@ struct options {
   double compute_s = 0.1, params = 60e6, overlap = 0;
   double min_compare_bytes = 4.0 * 1024 * 1024;
   std::optional<std::vector<std::size_t>> segment_choices;  // --segment-choices; else automatic's own
+  // --explain's cache tier (topology::automatic::cache_bytes): --cache-bytes, --cache-latency-us,
+  // --cache-gbit, --cache-gamma-ns
+  std::size_t cache_bytes = 0;
+  double cache_latency_s = -1, cache_bandwidth_Bps = -1;
+  std::map<std::string, sim::codec_rates> cache_gamma;
 };
 
 void usage() {
@@ -99,6 +104,9 @@ void usage() {
       "                       256K,4M; none: only the group's), as the calibration leaves them\n"
       "  --gamma-ns C:E,D,A   codec C's encode, decode, decode-add ns/value (as lockstep-bench-allreduce\n"
       "                       prints its calibration); repeatable\n"
+      "  --cache-bytes B      --explain: calls of at most B bytes per rank are predicted on the cache\n"
+      "                       tier: --cache-latency-us A, --cache-gbit G (default: the link's) and\n"
+      "                       --cache-gamma-ns C:E,D,A (default: --gamma-ns), as the calibration prints\n"
       "  --json               one JSON object per line");
 }
 
@@ -152,14 +160,17 @@ options parse(int argc, char** argv) {
       if (v != "none")
         for (auto& x : lockstep::bench::split_list(v)) o.segment_choices->push_back(static_cast<std::size_t>(parse_size(x)));
     }
-    else if (a == "--gamma-ns") {
+    else if (a == "--gamma-ns" || a == "--cache-gamma-ns") {
       const std::string v = next();
       const auto colon = v.find(':');
       double e = 0, d = 0, da = 0;
       if (colon == std::string::npos || std::sscanf(v.c_str() + colon + 1, "%lf,%lf,%lf", &e, &d, &da) != 3)
-        throw std::invalid_argument("--gamma-ns wants CODEC:ENCODE,DECODE,DECODE_ADD (ns per value), not " + v);
-      o.gamma[v.substr(0, colon)] = {e * 1e-9, d * 1e-9, da * 1e-9};
+        throw std::invalid_argument(a + " wants CODEC:ENCODE,DECODE,DECODE_ADD (ns per value), not " + v);
+      (a == "--gamma-ns" ? o.gamma : o.cache_gamma)[v.substr(0, colon)] = {e * 1e-9, d * 1e-9, da * 1e-9};
     }
+    else if (a == "--cache-bytes") o.cache_bytes = static_cast<std::size_t>(parse_size(next()));
+    else if (a == "--cache-latency-us") o.cache_latency_s = std::stod(next()) * 1e-6;
+    else if (a == "--cache-gbit") o.cache_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--params") o.params = parse_size(next());
     else if (a == "--compute-ms") o.compute_s = std::stod(next()) * 1e-3;
     else if (a == "--overlap") o.overlap = std::stod(next());
@@ -353,10 +364,20 @@ int run_explain(const options& o) {
   topology::automatic a;
   a.link = o.cl.nic;
   if (o.segment_choices) a.segment_choices = *o.segment_choices;
-  if (!o.json)
+  a.cache_bytes = o.cache_bytes;
+  a.cache_link = o.cl.nic;
+  a.cache_link.overhead_s = 0;
+  if (o.cache_latency_s >= 0) a.cache_link.latency_s = o.cache_latency_s;
+  if (o.cache_bandwidth_Bps > 0) a.cache_link.bandwidth_Bps = o.cache_bandwidth_Bps;
+  a.cache_rates = o.cache_gamma;
+  if (!o.json) {
     std::printf("# topology::automatic on alpha %.2f us, %.3f Gbit/s, eta %.2f, overhead %.2f us; group segment %zu bytes\n",
                 o.cl.nic.latency_s * 1e6, o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency,
                 o.cl.nic.overhead_s * 1e6, o.cl.segment_bytes);
+    if (a.cache_bytes)
+      std::printf("# up to %zu bytes per rank: alpha %.2f us, %.3f Gbit/s (the cache tier)\n", a.cache_bytes,
+                  a.cache_link.latency_s * 1e6, a.cache_link.bandwidth_Bps * 8 / 1e9);
+  }
   for (const auto& cn : o.codecs)
     for (int size : o.ranks)
       for (double bytes : o.bytes) {

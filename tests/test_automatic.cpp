@@ -326,3 +326,109 @@ TEST_CASE("the segment test decides only where its two runs differ, and an old o
   CHECK(c.link.exchange_efficiency > 0);
   CHECK(c.link.exchange_efficiency <= 1);
 }
+
+namespace {
+// A machine whose calls up to `small_upto` bytes meet `small` (in cache) and larger ones `large`.
+std::vector<detail::calibration_case> tiered_cases(int size, const sim::link_params& small, const sim::link_params& large,
+                                                   std::size_t segment, std::size_t small_upto = std::size_t{64} << 10) {
+  std::vector<detail::calibration_case> cases = simulated_cases(size, large, segment);
+  const std::vector<detail::calibration_case> in_cache = simulated_cases(size, small, segment);
+  for (std::size_t i = 0; i < cases.size(); ++i)
+    if (cases[i].bytes <= small_upto) cases[i].seconds = in_cache[i].seconds;
+  return cases;
+}
+
+double simulated(const sim::link_params& link, int size, std::size_t count, std::size_t segment) {
+  sim::cluster cl;
+  cl.nic = link;
+  cl.segment_bytes = segment;
+  cl.segments_ahead = sim::cluster::as_executor;
+  return sim::simulator(cl, sim::model_of(codec::fp32{}, fp32_rates)).all_reduce(topology::ring{}, size, count).time_s;
+}
+}  // namespace
+
+TEST_CASE("the cache tier: small calls are predicted on the link their own sizes measured", "[automatic]") {
+  const std::size_t seg = std::size_t{1} << 20;
+  const sim::link_params small{4e-6, 40e9, 1.0}, large{4e-6, 5e9, 1.0};
+  for (int size : {2, 3, 4, 8}) {
+    CAPTURE(size);
+    const automatic a = detail::fit_calibration(with_rates(), size, seg, tiered_cases(size, small, large, seg));
+    CAPTURE(a.cache_link.latency_s, a.cache_link.bandwidth_Bps, a.link.latency_s, a.link.bandwidth_Bps);
+    REQUIRE(a.cache_bytes == (std::size_t{64} << 10));
+    // Where 256 KiB still ran at the cache's speed, the tier takes it in.
+    const automatic wider =
+        detail::fit_calibration(with_rates(), size, seg, tiered_cases(size, small, large, seg, std::size_t{256} << 10));
+    CHECK(wider.cache_bytes == (std::size_t{256} << 10));
+    CHECK(wider.cache_link.bandwidth_Bps == Approx(small.bandwidth_Bps).epsilon(0.1));
+    CHECK(a.cache_link.bandwidth_Bps == Approx(small.bandwidth_Bps).epsilon(0.1));
+    CHECK(a.cache_link.latency_s == Approx(small.latency_s).epsilon(0.25));
+    CHECK(a.cache_link.exchange_efficiency == a.link.exchange_efficiency);
+    CHECK(a.cache_link.overhead_s == 0);
+    // The bounds: 64 KiB of values on the cache tier, one value more on the link.
+    const std::size_t edge = a.cache_bytes / sizeof(float);
+    CHECK(a.in_cache(edge));
+    CHECK_FALSE(a.in_cache(edge + 1));
+    const std::size_t count_in = edge / static_cast<std::size_t>(size) * static_cast<std::size_t>(size);
+    const std::size_t count_out = count_in * 4;
+    codec::fp32 c;
+    auto ring_at = [&](std::size_t count) {
+      for (const choice& ch : a.explain(operation::all_reduce, size, count, c, seg))
+        if (ch.kind == choice::ring && ch.segment_bytes == 0) return ch.predicted_s;
+      return -1.0;
+    };
+    CHECK(ring_at(count_in) == Approx(simulated(a.cache_link, size, count_in, seg)));
+    CHECK(ring_at(count_out) == Approx(simulated(a.link, size, count_out, seg)));
+  }
+  // One tier where both sizes meet one link: the same figures twice.
+  const automatic one = detail::fit_calibration(with_rates(), 4, seg, simulated_cases(4, large, seg));
+  CHECK(one.cache_link.bandwidth_Bps == Approx(large.bandwidth_Bps).epsilon(0.1));
+}
+
+TEST_CASE("the cache tier's own gamma, and no tier where its sizes fit no link", "[automatic]") {
+  const std::size_t seg = std::size_t{1} << 20;
+  const sim::link_params link{4e-6, 5e9, 1.0};
+  // gamma in cache: the fit reads it (here, as fast as out of cache, the same link comes back)
+  automatic given = with_rates();
+  given.cache_rates["fp32"] = fp32_rates;
+  const automatic a = detail::fit_calibration(given, 4, seg, simulated_cases(4, link, seg));
+  CHECK(a.cache_link.bandwidth_Bps == Approx(link.bandwidth_Bps).epsilon(0.1));
+  // A call in cache takes cache_rates' entry: a codec twice as slow there predicts slower.
+  automatic slow = a;
+  slow.cache_rates["fp32"] = {0, 0, 2 * fp32_rates.decode_add_s};
+  slow.forget_choices();
+  codec::fp32 c;
+  const std::size_t count = 4096;
+  CHECK(slow.explain(operation::all_reduce, 4, count, c, seg)[0].predicted_s >
+        a.explain(operation::all_reduce, 4, count, c, seg)[0].predicted_s);
+  // 64 KiB that ran faster than 4 KiB (a noisy machine): no positive beta, no tier; every call
+  // on the link.
+  std::vector<detail::calibration_case> noisy = simulated_cases(4, link, seg);
+  auto time_of = [&](detail::calibration_case::kind_t kind, std::size_t bytes) {
+    for (const auto& k : noisy)
+      if (k.bytes == bytes && k.kind == kind) return k.seconds;
+    return -1.0;
+  };
+  for (auto& k : noisy)
+    if (k.bytes == (std::size_t{64} << 10)) k.seconds = 0.5 * time_of(k.kind, std::size_t{4} << 10);
+  automatic earlier = with_rates();
+  earlier.cache_bytes = 1 << 20;  // a tier from before is not kept
+  const automatic none = detail::fit_calibration(earlier, 4, seg, noisy);
+  CHECK(none.cache_bytes == 0);
+  CHECK_FALSE(none.in_cache(1));
+}
+
+TEST_CASE("a cached choice is the codec's own: another codec with the same id is not served it", "[automatic]") {
+  // Two codec types whose ids collide (a 32-bit fingerprint can) are told apart by their names.
+  struct fake : codec::fp32 {
+    static constexpr std::string_view name() noexcept { return "fake"; }
+    constexpr std::uint32_t id() const noexcept { return codec::fp32{}.id(); }
+  };
+  automatic a;
+  a.link = sim::link_params{1.0, 1e15};
+  a.rates["fake"] = {0, 0, 1.0};  // a second per value: the ring's chunks beat whole-buffer doubling
+  const std::size_t count = 1 << 16, seg = std::size_t{1} << 20;
+  const choice p = a.choose(operation::all_reduce, 4, count, codec::fp32{}, seg);
+  const choice q = a.choose(operation::all_reduce, 4, count, fake{}, seg);
+  CHECK(p.kind == choice::recursive_doubling);
+  CHECK(q.kind != choice::recursive_doubling);
+}

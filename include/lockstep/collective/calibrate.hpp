@@ -2,7 +2,8 @@
 //
 //   topology::automatic a = lockstep::calibrate_automatic(g);   // collective: every rank calls it
 //
-// Measures gamma of fp32, bf16, int8 and dyntree8 on this machine (sim::measure_rates), then
+// Measures gamma of fp32, bf16, int8 and dyntree8 on this machine (sim::measure_rates), out of
+// cache (16 MiB) and in cache (64 KiB), then
 // times fp32 all-reduces, each the median of a few runs, the cases taking turns round by round
 // (so that a machine that slows down mid-way slows every case alike, not the last ones):
 //   * the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of two, recursive
@@ -11,6 +12,9 @@
 //   * the ring and halving-doubling at 1 MiB and 4 MiB (3 ranks and more): the same bytes one way
 //     and in pairwise exchanges, so eta (link_params::exchange_efficiency) is what makes the
 //     simulator's halving-doubling / ring ratio the measured one;
+//   * the same ring and recursive doubling cases up to 64 KiB, on their own, with gamma measured
+//     in cache: automatic's cache tier (automatic::cache_bytes), the link small calls meet; and
+//     both at 256 KiB, which of the two tiers predicts better: where the tier ends;
 //   * the ring at 4 MiB in quarter segments against the group's: the overhead o per message, and
 //     whether segments finer than the group's pay at all. Where quartering did not measure faster
 //     by automatic's segment_margin, automatic keeps no finer segment size among its candidates:
@@ -59,6 +63,9 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   if ((size & (size - 1)) == 0)
     for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20})
       cases.push_back({K::recursive_doubling, b});
+  // Where the cache tier ends: 256 KiB, the ring's and (power of two) recursive doubling's.
+  cases.push_back({K::ring, std::size_t{256} << 10});
+  if ((size & (size - 1)) == 0) cases.push_back({K::recursive_doubling, std::size_t{256} << 10});
   cases.push_back({K::ring, std::size_t{4} << 20});
   cases.push_back({K::ring_quarter, std::size_t{4} << 20});
   // At 2 ranks every step of every candidate is an exchange: eta is then not told apart from beta.
@@ -73,6 +80,79 @@ inline std::size_t calibration_elems(int size, std::size_t bytes) {
 }
 
 inline std::size_t quarter_segment(std::size_t group_segment) { return std::max<std::size_t>(4096, group_segment / 4); }
+
+// The size whose cases tell where automatic's cache tier ends; no fit takes them in.
+inline constexpr std::size_t tier_probe_bytes = std::size_t{256} << 10;
+
+// automatic's cache tier (automatic::cache_bytes): alpha and beta fitted, as the link's, to the
+// ring's and recursive doubling's times at the sizes that stay in cache (up to 64 KiB), with the
+// link's eta and the codecs' gamma measured in cache (a.cache_rates; a.rates where it has none).
+// No tier where they fit no positive alpha and beta. The tier covers the 256 KiB calls too where
+// it predicted their measured times better than the link does: where a cache ends depends on the
+// machine (and on how many ranks share a core's), so it is measured, not assumed.
+inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_segment,
+                           const std::vector<calibration_case>& cases) {
+  using K = calibration_case;
+  constexpr std::size_t in_cache = std::size_t{64} << 10;
+  a.cache_bytes = 0;
+  const auto fp32_rates = a.cache_rates.count("fp32") ? a.cache_rates.at("fp32") : a.rates["fp32"];
+  const sim::codec_model model = sim::model_of(codec::fp32{}, fp32_rates);
+  std::vector<sim::sample> ring_only, both;
+  std::size_t largest = 0;
+  for (const K& c : cases) {
+    if (c.bytes > in_cache || (c.kind != K::ring && c.kind != K::recursive_doubling)) continue;
+    const std::size_t n = calibration_elems(size, c.bytes);
+    const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
+                                                : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
+    sim::sample x = sim::sample_of(t, model.rates, c.seconds);
+    x.beta_count += x.exchange_count / a.link.exchange_efficiency, x.exchange_count = 0;
+    both.push_back(x);
+    if (c.kind == K::ring) ring_only.push_back(x);
+    largest = std::max(largest, c.bytes);
+  }
+  sim::fit_result f;
+  try {
+    f = sim::fit_alpha_beta(both);
+  } catch (const error&) {
+    try {
+      f = sim::fit_alpha_beta(ring_only);
+    } catch (const error&) {
+      return;
+    }
+  }
+  // Small calls are alpha's: a fit that had to pin it at 0 (times that fell with size, a noisy
+  // machine) would choose them as if messages were free.
+  if (f.alpha_pinned || !(f.link.bandwidth_Bps > 0) || !std::isfinite(f.link.bandwidth_Bps)) return;
+  a.cache_link = a.link;
+  a.cache_link.latency_s = std::max(0.0, f.link.latency_s);
+  a.cache_link.bandwidth_Bps = f.link.bandwidth_Bps;
+  // Its alpha took in whatever a message costs the core: no o besides (one segment per step here).
+  a.cache_link.overhead_s = 0;
+  a.cache_bytes = largest;
+
+  // The probe: each tier's predictions of the 256 KiB cases, by the simulator automatic asks;
+  // the summed |log(predicted / measured)| of the cache tier no larger than the link's extends it.
+  const sim::codec_model link_model = sim::model_of(codec::fp32{}, a.rates["fp32"]);
+  double err_cache = 0, err_link = 0;
+  int probes = 0;
+  for (const K& c : cases) {
+    if (c.bytes != tier_probe_bytes || !(c.seconds > 0) || (c.kind != K::ring && c.kind != K::recursive_doubling)) continue;
+    auto predict = [&](const sim::link_params& l, const sim::codec_model& m) {
+      sim::cluster cl;
+      cl.nic = l;
+      cl.segment_bytes = group_segment;
+      cl.segments_ahead = sim::cluster::as_executor;
+      sim::simulator sm(cl, m);
+      const std::size_t n = calibration_elems(size, c.bytes);
+      return c.kind == K::ring ? sm.all_reduce(topology::ring{}, size, n).time_s
+                               : sm.all_reduce(topology::recursive_doubling{}, size, n).time_s;
+    };
+    err_cache += std::abs(std::log(predict(a.cache_link, model) / c.seconds));
+    err_link += std::abs(std::log(predict(a.link, link_model) / c.seconds));
+    ++probes;
+  }
+  if (probes > 0 && err_cache <= err_link) a.cache_bytes = tier_probe_bytes;
+}
 
 // The link calibrate_automatic derives from its timed cases (a pure function: tests feed it times
 // of their own). `a` carries the rates already and the link to keep where a fit fails.
@@ -106,7 +186,9 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
   auto fit_link = [&](double eta) -> bool {
     std::vector<sim::sample> ring_only, both;
     for (const K& c : cases) {
-      if (c.bytes > (std::size_t{1} << 20) || (c.kind != K::ring && c.kind != K::recursive_doubling)) continue;
+      if (c.bytes > (std::size_t{1} << 20) || c.bytes == tier_probe_bytes ||
+          (c.kind != K::ring && c.kind != K::recursive_doubling))
+        continue;
       const std::size_t n = calibration_elems(size, c.bytes);
       const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
                                                   : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
@@ -149,7 +231,10 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
   // An eta outside (0, 1] (a caller's) would divide the exchanges' bytes by nothing.
   const double eta_given = a.link.exchange_efficiency > 0 && a.link.exchange_efficiency <= 1 ? a.link.exchange_efficiency : 1.0;
   a.link.exchange_efficiency = eta_given;
-  if (!fit_link(eta_given)) return a;
+  if (!fit_link(eta_given)) {
+    fit_cache_tier(a, size, group_segment, cases);
+    return a;
+  }
 
   // eta: the measured halving-doubling / ring ratio over 1 and 4 MiB, which the simulator's
   // ratio falls with eta to meet (bisection); 1 where exchanges measured no slower than predicted.
@@ -185,6 +270,7 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     // (where that fit fails, alpha and beta stay those fitted with eta_given, a close second).
     if (eta != eta_given) fit_link(eta);
   }
+  fit_cache_tier(a, size, group_segment, cases);
 
   // o from what quartering the segments cost, through the simulator (the model automatic asks):
   // the predicted difference is linear in o; the o that predicts the measured one, then alpha
@@ -219,19 +305,24 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
   const int size = g.size();
   std::vector<detail::calibration_case> cases = detail::calibration_cases(size);
   constexpr int codecs = 4;
-  // (codec, routine) then (case): this rank's measurements, averaged over the group below
-  std::vector<float> m(codecs * 3 + cases.size(), 0.0f);
+  // (codec, routine) out of cache, then in cache, then (case): this rank's measurements, averaged
+  // over the group below
+  const std::size_t cases_at = 2 * codecs * 3;
+  std::vector<float> m(cases_at + cases.size(), 0.0f);
   auto put_rates = [&](int i, const sim::codec_rates& r) {
     m[3 * i] = static_cast<float>(r.encode_s * 1e9), m[3 * i + 1] = static_cast<float>(r.decode_s * 1e9);
     m[3 * i + 2] = static_cast<float>(r.decode_add_s * 1e9);
   };
-  // Out of cache (16 MiB of fp32), as large buffers meet it: where codec work decides a choice,
-  // the buffer is large; a small one is decided by alpha.
-  const std::size_t gamma_n = std::size_t{1} << 22;
-  put_rates(0, sim::measure_rates(codec::fp32{}, gamma_n));
-  put_rates(1, sim::measure_rates(codec::bf16{}, gamma_n));
-  put_rates(2, sim::measure_rates(codec::int8{}, gamma_n));
-  put_rates(3, sim::measure_rates(codec::dyntree8{}, gamma_n));
+  // Out of cache (16 MiB of fp32), as large buffers meet it, and in cache (64 KiB, the cache
+  // tier's largest size; the best of many runs of a few microseconds each).
+  for (int tier = 0; tier < 2; ++tier) {
+    const std::size_t n = tier == 0 ? std::size_t{1} << 22 : std::size_t{1} << 14;
+    const int reps = tier == 0 ? 3 : 64;
+    put_rates(tier * codecs + 0, sim::measure_rates(codec::fp32{}, n, reps));
+    put_rates(tier * codecs + 1, sim::measure_rates(codec::bf16{}, n, reps));
+    put_rates(tier * codecs + 2, sim::measure_rates(codec::int8{}, n, reps));
+    put_rates(tier * codecs + 3, sim::measure_rates(codec::dyntree8{}, n, reps));
+  }
   codec::fp32 c;
   if (size > 1) {
     using K = detail::calibration_case;
@@ -265,7 +356,7 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
     // The median, not the best: a call meets the machine as it is, load included.
     for (std::size_t i = 0; i < cases.size(); ++i) {
       std::nth_element(ts[i].begin(), ts[i].begin() + static_cast<std::ptrdiff_t>(ts[i].size() / 2), ts[i].end());
-      m[codecs * 3 + i] = static_cast<float>(ts[i][ts[i].size() / 2] * 1e6);
+      m[cases_at + i] = static_cast<float>(ts[i][ts[i].size() / 2] * 1e6);
     }
   }
   all_reduce(g, std::span<float>(m), topology::ring{}, c, reduce_op::average);
@@ -273,9 +364,12 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
   topology::automatic a = std::move(base);
   a.forget_choices();  // made on the parameters it had
   const char* names[codecs] = {"fp32", "bf16", "int8", "dyntree8"};
-  for (int i = 0; i < codecs; ++i)
+  for (int i = 0; i < codecs; ++i) {
     a.rates[names[i]] = {m[3 * i] * 1e-9, m[3 * i + 1] * 1e-9, m[3 * i + 2] * 1e-9};
-  for (std::size_t i = 0; i < cases.size(); ++i) cases[i].seconds = m[codecs * 3 + i] * 1e-6;
+    const int j = codecs + i;
+    a.cache_rates[names[i]] = {m[3 * j] * 1e-9, m[3 * j + 1] * 1e-9, m[3 * j + 2] * 1e-9};
+  }
+  for (std::size_t i = 0; i < cases.size(); ++i) cases[i].seconds = m[cases_at + i] * 1e-6;
   return detail::fit_calibration(std::move(a), size, g.segment_bytes(), cases);
 }
 

@@ -15,6 +15,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "../codec/concept.hpp"
@@ -39,15 +40,23 @@ std::uint32_t topology_fingerprint(const T& topo, int size) {
 }
 
 template <class T, class C>
-std::string label(op_kind kind, const T& topo, const C& codec) {
-  return std::string(to_string(kind)) + "(" + topo.name() + ", " + std::string(codec.name()) + ")";
+std::string label(op_kind kind, const T& topo, const C& codec, std::string_view topo_prefix = {}) {
+  std::string s(to_string(kind));
+  s += "(";
+  s += topo_prefix;
+  s += topo.name();
+  s += ", ";
+  s += codec.name();
+  s += ")";
+  return s;
 }
 
 template <class G, topology::topology T, codec::codec C>
-op_desc describe(op_kind kind, const G& g, const T& topo, const C& codec, reduce_op rop, int root = -1) {
+op_desc describe(op_kind kind, const G& g, const T& topo, const C& codec, reduce_op rop, int root = -1,
+                 std::string_view topo_prefix = {}) {
   if constexpr (requires { topo.validate(g.size(), g.rank()); }) topo.validate(g.size(), g.rank());  // names this rank
   else topo.validate(g.size());
-  return op_desc{kind, rop, root, topology_fingerprint(topo, g.size()), label(kind, topo, codec)};
+  return op_desc{kind, rop, root, topology_fingerprint(topo, g.size()), label(kind, topo, codec, topo_prefix)};
 }
 
 template <class G>
@@ -64,11 +73,10 @@ void check_sizes(const G& g, const char* op, std::size_t in, std::size_t out, st
 // call's own segment size (0: the group's).
 template <class G, topology::topology T, class C, class Epilogue>
 void run_call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue& ep,
-              chunk_layout layout = {}, std::size_t segment_bytes = 0, const std::string& label_prefix = {}) {
-  op_desc d = describe(kind, g, topo, codec, rop, root);
+              chunk_layout layout = {}, std::size_t segment_bytes = 0, std::string_view label_prefix = {}) {
+  op_desc d = describe(kind, g, topo, codec, rop, root, label_prefix);
   d.layout = std::move(layout);
   d.segment_bytes = segment_bytes;
-  if (!label_prefix.empty()) d.label = std::string(to_string(kind)) + "(" + label_prefix + topo.name() + ", " + std::string(codec.name()) + ")";
   const topology::schedule s = kind == op_kind::reduce_scatter ? topo.reduce_scatter(g.rank(), g.size())
                                : kind == op_kind::all_gather   ? topo.all_gather(g.rank(), g.size())
                                : kind == op_kind::broadcast    ? topology::broadcast_schedule(topo, root, g.rank(), g.size())
@@ -82,22 +90,26 @@ void run_call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec,
 template <class G, class T, class C, class Epilogue>
 auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue ep,
           chunk_layout layout = {}) {
-  return [&g, kind, buf, topo, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
-    if constexpr (topology::per_call<T>) {
-      using topology::operation;
-      const operation op = kind == op_kind::reduce_scatter ? operation::reduce_scatter
-                           : kind == op_kind::all_gather   ? operation::all_gather
-                           : kind == op_kind::broadcast    ? operation::broadcast
-                                                           : operation::all_reduce;
-      topo.validate(g.size(), g.rank());
-      const auto pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered);
+  if constexpr (topology::per_call<T>) {
+    // The choice is made here, as the call is issued: it depends on nothing the call's turn
+    // changes, and the call then carries the few bytes of the choice, not a copy of the chooser
+    // (automatic's parameters and tables: a tenth of a 2-rank 4 KiB all-reduce).
+    using topology::operation;
+    const operation op = kind == op_kind::reduce_scatter ? operation::reduce_scatter
+                         : kind == op_kind::all_gather   ? operation::all_gather
+                         : kind == op_kind::broadcast    ? operation::broadcast
+                                                         : operation::all_reduce;
+    const auto pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank());
+    return [&g, kind, buf, pick, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
       T::visit(pick.kind, [&](const auto& concrete) {
         run_call(kind, g, buf, concrete, codec, rop, root, ep, std::move(layout), pick.segment_bytes, "automatic: ");
       });
-    } else {
+    };
+  } else {
+    return [&g, kind, buf, topo, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
       run_call(kind, g, buf, topo, codec, rop, root, ep, std::move(layout));
-    }
-  };
+    };
+  }
 }
 
 // Blocking: inline on a host group; enqueued and waited for on an ordered one.

@@ -7,7 +7,7 @@
 // topologies' own schedules, the executor's segments and send window) how long this operation
 // would take over each candidate — ring, torus2d (most square), halving_doubling,
 // recursive_doubling — and each candidate segment size, on the link it was given (alpha, beta,
-// eta) and the codec's measured gamma, and runs the fastest; ties go to the earlier candidate in
+// eta; for small buffers, those of its cache tier) and the codec's measured gamma, and runs the fastest; ties go to the earlier candidate in
 // that order, and a segment size other than the group's wins only by segment_margin (10%). NCCL's tuner makes the same choice from tables; this one comes from the model the
 // simulator uses, so `lockstep-sim --explain` (or explain() here) prints the very numbers a call
 // compared.
@@ -34,7 +34,9 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../codec/concept.hpp"
@@ -81,6 +83,21 @@ struct automatic {
   std::vector<std::size_t> segment_choices{std::size_t{256} << 10, std::size_t{4} << 20};
   // ... taken only where predicted faster than the best at the group's segment by this fraction.
   double segment_margin = 0.10;
+  // Calls whose buffer (count fp32 values per rank) is at most cache_bytes are predicted on
+  // cache_link and cache_rates (a codec without an entry there: its entry in rates) instead; 0:
+  // one link for every size. Where the "link" is the cores copying through shared memory, a
+  // small buffer and its messages stay in cache, and bytes move and reduce several times faster
+  // than the out-of-cache figures that decide large calls: one link fitted to both had recursive
+  // doubling's two 64 KiB exchanges at 44 us where they ran in 26 (4 ranks, docs/benchmarks.md),
+  // and chose four messages over them. calibrate_automatic fits this tier on the sizes it timed
+  // in cache and sets cache_bytes to the largest of them.
+  std::size_t cache_bytes = 0;
+  sim::link_params cache_link{};
+  std::map<std::string, sim::codec_rates> cache_rates{};
+
+  // Whether a call of `count` values is predicted on the cache tier.
+  bool in_cache(std::size_t count) const noexcept { return cache_bytes > 0 && count <= cache_bytes / sizeof(float); }
+  const sim::link_params& link_for(std::size_t count) const noexcept { return in_cache(count) ? cache_link : link; }
 
   std::string name() const { return "automatic"; }
   void validate(int size, int rank = -1) const {
@@ -108,10 +125,13 @@ struct automatic {
     return explain(op, size, count, sim::model_of(codec, it == rates.end() ? sim::codec_rates{} : it->second),
                    group_segment, stream_ordered);
   }
-  // The same for a codec the simulator knows by its model (lockstep-sim --explain); its own rates.
-  std::vector<choice> explain(operation op, int size, std::size_t count, const sim::codec_model& model,
+  // The same for a codec the simulator knows by its model (lockstep-sim --explain): its own rates,
+  // or cache_rates' entry for it on a call in cache.
+  std::vector<choice> explain(operation op, int size, std::size_t count, sim::codec_model model,
                               std::size_t group_segment, bool stream_ordered = false) const {
     validate(size);
+    if (in_cache(count))
+      if (const auto it = cache_rates.find(model.name); it != cache_rates.end()) model.rates = it->second;
     std::vector<std::size_t> segs{group_segment};
     if (!stream_ordered)
       for (std::size_t s : segment_choices)
@@ -120,7 +140,7 @@ struct automatic {
     for (auto k : {choice::ring, choice::torus2d, choice::halving_doubling, choice::recursive_doubling})
       for (std::size_t s : segs) {
         sim::cluster cl;
-        cl.nic = link;
+        cl.nic = link_for(count);
         cl.segment_bytes = s;
         cl.segments_ahead = sim::cluster::as_executor;
         const double t = visit(k, [&](const auto& topo) { return predict(cl, model, topo, op, size, count); });
@@ -148,22 +168,27 @@ struct automatic {
   // its parameters changed: calibrate_automatic does it.
   void forget_choices() { cache_ = std::make_shared<cache>(); }
 
-  // The choice for this call: forced by LOCKSTEP_TOPOLOGY, else the fastest prediction.
+  // The choice for this call: forced by LOCKSTEP_TOPOLOGY, else the fastest prediction. `rank`
+  // names the caller in an error. A cached choice costs no allocation: small all-reduces (batch
+  // norm's statistics, LARS's norms) take a few microseconds, and the choice is on their path.
   template <codec::codec C>
   choice choose(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
-                bool stream_ordered = false) const {
-    if (auto f = forced(-1)) return {*f, 0, 0};
-    if (size <= 1) return {choice::ring, 0, 0};
-    const key k{op, size, count, std::string(codec.name()) + "#" + std::to_string(codec.id()), group_segment, stream_ordered};
+                bool stream_ordered = false, int rank = -1) const {
+    if (auto f = forced(rank)) return {*f, 0, 0};
+    if (size < 1) throw error(errc::invalid_argument, "automatic", rank, -1, "group size " + std::to_string(size));
+    if (size == 1) return {choice::ring, 0, 0};
+    const std::string_view name = codec.name();
+    const key k{op, size, count, codec.id(), group_segment, stream_ordered};
     {
       std::lock_guard lk(cache_->m);
-      if (auto it = cache_->table.find(k); it != cache_->table.end()) return it->second;
+      // The codec's id is a 32-bit fingerprint: the name rules out another codec's colliding one.
+      if (auto it = cache_->table.find(k); it != cache_->table.end() && it->second.first == name) return it->second.second;
     }
     const std::vector<choice> all = explain(op, size, count, codec, group_segment, stream_ordered);
     const choice best = all[pick(all, segment_margin)];
     std::lock_guard lk(cache_->m);
     if (cache_->table.size() >= max_cached) cache_->table.clear();
-    cache_->table.emplace(k, best);
+    cache_->table.insert_or_assign(k, std::pair{std::string(name), best});
     return best;
   }
 
@@ -195,10 +220,11 @@ struct automatic {
                 std::string("LOCKSTEP_TOPOLOGY=") + e + ": not ring, torus2d, halving_doubling, recursive_doubling or automatic");
   }
 
-  using key = std::tuple<operation, int, std::size_t, std::string, std::size_t, bool>;
+  // (operation, group size, count, codec id, group segment, stream-ordered) -> (codec name, choice)
+  using key = std::tuple<operation, int, std::size_t, std::uint32_t, std::size_t, bool>;
   struct cache {
     std::mutex m;
-    std::map<key, choice> table;
+    std::map<key, std::pair<std::string, choice>> table;
   };
   static constexpr std::size_t max_cached = 4096;
   std::shared_ptr<cache> cache_ = std::make_shared<cache>();
