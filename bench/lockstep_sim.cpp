@@ -180,6 +180,8 @@ options parse(int argc, char** argv) {
       std::exit(0);
     } else throw std::invalid_argument("unknown option " + a + " (--help lists them)");
   }
+  if (!o.cache_bytes && (o.cache_latency_s >= 0 || o.cache_bandwidth_Bps > 0 || !o.cache_gamma.empty()))
+    throw std::invalid_argument("--cache-latency-us, --cache-gbit and --cache-gamma-ns describe the tier --cache-bytes sets; give it");
   return o;
 }
 

@@ -87,7 +87,9 @@ inline constexpr std::size_t tier_probe_bytes = std::size_t{256} << 10;
 // automatic's cache tier (automatic::cache_bytes): alpha and beta fitted, as the link's, to the
 // ring's and recursive doubling's times at the sizes that stay in cache (up to 64 KiB), with the
 // link's eta and the codecs' gamma measured in cache (a.cache_rates; a.rates where it has none).
-// No tier where they fit no positive alpha and beta. The tier covers the 256 KiB calls too where
+// No tier where they fit no positive alpha and beta. Without recursive doubling (a group that is
+// not a power of two) two ring times give the two parameters exactly, noise included; the guards
+// below drop what noise makes nonsense of. The tier covers the 256 KiB calls too where
 // it predicted their measured times better than the link does: where a cache ends depends on the
 // machine (and on how many ranks share a core's), so it is measured, not assumed.
 inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_segment,
@@ -270,7 +272,6 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     // (where that fit fails, alpha and beta stay those fitted with eta_given, a close second).
     if (eta != eta_given) fit_link(eta);
   }
-  fit_cache_tier(a, size, group_segment, cases);
 
   // o from what quartering the segments cost, through the simulator (the model automatic asks):
   // the predicted difference is linear in o; the o that predicts the measured one, then alpha
@@ -294,6 +295,9 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
       a.link.latency_s = std::max(0.0, a.link.latency_s - 2 * a.link.overhead_s);
     }
   }
+  // Last: its 256 KiB probe compares the cache tier with the link as automatic will use it, o
+  // included.
+  fit_cache_tier(a, size, group_segment, cases);
   return a;
 }
 

@@ -12,6 +12,7 @@
 // blocking call returns once the stream has run it.
 #pragma once
 
+#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -99,8 +100,17 @@ auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, red
                          : kind == op_kind::all_gather   ? operation::all_gather
                          : kind == op_kind::broadcast    ? operation::broadcast
                                                          : operation::all_reduce;
-    const auto pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank());
-    return [&g, kind, buf, pick, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
+    // An error choosing (a bad LOCKSTEP_TOPOLOGY) is the call's: thrown in its turn, so that an
+    // asynchronous call hands it to wait() as every other error it meets (request.hpp).
+    topology::choice pick{};
+    std::exception_ptr failed;
+    try {
+      pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank());
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    return [&g, kind, buf, pick, failed, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
+      if (failed) std::rethrow_exception(failed);
       T::visit(pick.kind, [&](const auto& concrete) {
         run_call(kind, g, buf, concrete, codec, rop, root, ep, std::move(layout), pick.segment_bytes, "automatic: ");
       });

@@ -7,10 +7,11 @@
 // topologies' own schedules, the executor's segments and send window) how long this operation
 // would take over each candidate — ring, torus2d (most square), halving_doubling,
 // recursive_doubling — and each candidate segment size, on the link it was given (alpha, beta,
-// eta; for small buffers, those of its cache tier) and the codec's measured gamma, and runs the fastest; ties go to the earlier candidate in
-// that order, and a segment size other than the group's wins only by segment_margin (10%). NCCL's tuner makes the same choice from tables; this one comes from the model the
-// simulator uses, so `lockstep-sim --explain` (or explain() here) prints the very numbers a call
-// compared.
+// eta; for small buffers, those of its cache tier) and the codec's measured gamma, and runs the
+// fastest; ties go to the earlier candidate in that order, and a segment size other than the
+// group's wins only by segment_margin (10%). NCCL's tuner makes the same choice from tables; this
+// one comes from the model the simulator uses, so `lockstep-sim --explain` (or explain() here)
+// prints the very numbers a call compared.
 //
 // Every rank must choose alike: the choice is a pure function of the group size, the count, the
 // codec and the parameters held here, and calibrate_automatic() makes those identical on every
@@ -21,9 +22,9 @@
 // LOCKSTEP_TOPOLOGY=ring|torus2d|halving_doubling|recursive_doubling forces one (with the group's
 // segment size); read on every choice.
 //
-// Choices are cached per (operation, group size, count, codec, segment of the group) in a table
-// the copies of one automatic share (a call copies its topology), so a training loop's buckets
-// pay the simulation once. Cost of a miss: a few simulations of every rank's schedule, up to
+// Choices are cached per (operation, group size, count, codec, segment of the group, stream
+// order) in a table the copies of one automatic share, so a training loop's buckets pay the
+// simulation once. The collectives choose as a call is issued, on the issuing thread. Cost of a miss: a few simulations of every rank's schedule, up to
 // milliseconds at 64 ranks and 64 MiB.
 #pragma once
 
@@ -90,7 +91,7 @@ struct automatic {
   // than the out-of-cache figures that decide large calls: one link fitted to both had recursive
   // doubling's two 64 KiB exchanges at 44 us where they ran in 26 (4 ranks, docs/benchmarks.md),
   // and chose four messages over them. calibrate_automatic fits this tier on the sizes it timed
-  // in cache and sets cache_bytes to the largest of them.
+  // in cache (to 64 KiB) and ends it there, or at 256 KiB where it predicted those calls better.
   std::size_t cache_bytes = 0;
   sim::link_params cache_link{};
   std::map<std::string, sim::codec_rates> cache_rates{};
@@ -191,7 +192,6 @@ struct automatic {
     cache_->table.insert_or_assign(k, std::pair{std::string(name), best});
     return best;
   }
-
 
  private:
   template <class T>
