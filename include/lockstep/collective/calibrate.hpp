@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -81,6 +82,54 @@ inline std::size_t calibration_elems(int size, std::size_t bytes) {
 
 inline std::size_t quarter_segment(std::size_t group_segment) { return std::max<std::size_t>(4096, group_segment / 4); }
 
+// alpha and beta fitted to the closed forms of the ring's and recursive doubling's cases whose
+// size `use` takes; where the two fit no positive beta together, to the ring's alone.
+template <class Use>
+std::optional<sim::fit_result> fit_ring_and_doubling(const std::vector<calibration_case>& cases, int size,
+                                                     std::size_t group_segment, const sim::codec_model& model,
+                                                     double eta, Use use) {
+  using K = calibration_case;
+  std::vector<sim::sample> ring_only, both;
+  for (const K& c : cases) {
+    if ((c.kind != K::ring && c.kind != K::recursive_doubling) || !use(c.bytes)) continue;
+    const std::size_t n = calibration_elems(size, c.bytes);
+    const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
+                                                : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
+    sim::sample x = sim::sample_of(t, model.rates, c.seconds);
+    // eta is not a free column of this fit: the few exchanges here (whole buffers, in cache up
+    // to 1 MiB) cannot tell it from beta (free, it came out at 0.4 on a loaded 2-core machine,
+    // and then never chose an exchange where exchanges measured fastest). It is set from the
+    // bandwidth-bound pair (fit_calibration), and the exchanges count at beta / eta.
+    x.beta_count += x.exchange_count / eta, x.exchange_count = 0;
+    both.push_back(x);
+    if (c.kind == K::ring) ring_only.push_back(x);
+  }
+  try {
+    return sim::fit_alpha_beta(both);
+  } catch (const error&) {
+    // Recursive doubling's whole buffer stays in cache up to 1 MiB, where its reductions run
+    // faster than the gamma measured out of cache: at 2 ranks its times can fall below that
+    // gamma's share alone (no positive beta then).
+  }
+  try {
+    return sim::fit_alpha_beta(ring_only);
+  } catch (const error&) {
+    // On a loaded machine the times may fit no positive beta.
+    return std::nullopt;
+  }
+}
+
+// The simulator's time for an fp32 all-reduce of `bytes` over `topo`, as automatic asks it.
+template <class T>
+double simulated_all_reduce(const sim::link_params& link, const sim::codec_model& model, const T& topo, int size,
+                            std::size_t bytes, std::size_t segment) {
+  sim::cluster cl;
+  cl.nic = link;
+  cl.segment_bytes = segment;
+  cl.segments_ahead = sim::cluster::as_executor;
+  return sim::simulator(cl, model).all_reduce(topo, size, calibration_elems(size, bytes)).time_s;
+}
+
 // The size whose cases tell where automatic's cache tier ends; no fit takes them in.
 inline constexpr std::size_t tier_probe_bytes = std::size_t{256} << 10;
 
@@ -99,35 +148,17 @@ inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_s
   a.cache_bytes = 0;
   const auto fp32_rates = a.cache_rates.count("fp32") ? a.cache_rates.at("fp32") : a.rates["fp32"];
   const sim::codec_model model = sim::model_of(codec::fp32{}, fp32_rates);
-  std::vector<sim::sample> ring_only, both;
   std::size_t largest = 0;
-  for (const K& c : cases) {
-    if (c.bytes > in_cache || (c.kind != K::ring && c.kind != K::recursive_doubling)) continue;
-    const std::size_t n = calibration_elems(size, c.bytes);
-    const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
-                                                : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
-    sim::sample x = sim::sample_of(t, model.rates, c.seconds);
-    x.beta_count += x.exchange_count / a.link.exchange_efficiency, x.exchange_count = 0;
-    both.push_back(x);
-    if (c.kind == K::ring) ring_only.push_back(x);
-    largest = std::max(largest, c.bytes);
-  }
-  sim::fit_result f;
-  try {
-    f = sim::fit_alpha_beta(both);
-  } catch (const error&) {
-    try {
-      f = sim::fit_alpha_beta(ring_only);
-    } catch (const error&) {
-      return;
-    }
-  }
+  for (const K& c : cases)
+    if (c.bytes <= in_cache && (c.kind == K::ring || c.kind == K::recursive_doubling)) largest = std::max(largest, c.bytes);
+  const auto f = fit_ring_and_doubling(cases, size, group_segment, model, a.link.exchange_efficiency,
+                                       [&](std::size_t b) { return b <= in_cache; });
   // Small calls are alpha's: a fit that had to pin it at 0 (times that fell with size, a noisy
   // machine) would choose them as if messages were free.
-  if (f.alpha_pinned || !(f.link.bandwidth_Bps > 0) || !std::isfinite(f.link.bandwidth_Bps)) return;
+  if (!f || f->alpha_pinned || !(f->link.bandwidth_Bps > 0) || !std::isfinite(f->link.bandwidth_Bps)) return;
   a.cache_link = a.link;
-  a.cache_link.latency_s = std::max(0.0, f.link.latency_s);
-  a.cache_link.bandwidth_Bps = f.link.bandwidth_Bps;
+  a.cache_link.latency_s = std::max(0.0, f->link.latency_s);
+  a.cache_link.bandwidth_Bps = f->link.bandwidth_Bps;
   // Its alpha took in whatever a message costs the core: no o besides (one segment per step here).
   a.cache_link.overhead_s = 0;
   a.cache_bytes = largest;
@@ -140,14 +171,8 @@ inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_s
   for (const K& c : cases) {
     if (c.bytes != tier_probe_bytes || !(c.seconds > 0) || (c.kind != K::ring && c.kind != K::recursive_doubling)) continue;
     auto predict = [&](const sim::link_params& l, const sim::codec_model& m) {
-      sim::cluster cl;
-      cl.nic = l;
-      cl.segment_bytes = group_segment;
-      cl.segments_ahead = sim::cluster::as_executor;
-      sim::simulator sm(cl, m);
-      const std::size_t n = calibration_elems(size, c.bytes);
-      return c.kind == K::ring ? sm.all_reduce(topology::ring{}, size, n).time_s
-                               : sm.all_reduce(topology::recursive_doubling{}, size, n).time_s;
+      return c.kind == K::ring ? simulated_all_reduce(l, m, topology::ring{}, size, c.bytes, group_segment)
+                               : simulated_all_reduce(l, m, topology::recursive_doubling{}, size, c.bytes, group_segment);
     };
     err_cache += std::abs(std::log(predict(a.cache_link, model) / c.seconds));
     err_link += std::abs(std::log(predict(a.link, link_model) / c.seconds));
@@ -186,49 +211,18 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
   // alpha and beta from the one-way ring and the exchanges of recursive doubling, eta given;
   // where those do not fit together, from the ring alone.
   auto fit_link = [&](double eta) -> bool {
-    std::vector<sim::sample> ring_only, both;
-    for (const K& c : cases) {
-      if (c.bytes > (std::size_t{1} << 20) || c.bytes == tier_probe_bytes ||
-          (c.kind != K::ring && c.kind != K::recursive_doubling))
-        continue;
-      const std::size_t n = calibration_elems(size, c.bytes);
-      const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
-                                                  : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
-      sim::sample x = sim::sample_of(t, model.rates, c.seconds);
-      // eta is not a free column of this fit: the few exchanges here (whole buffers, in cache up
-      // to 1 MiB) cannot tell it from beta (free, it came out at 0.4 on a loaded 2-core machine,
-      // and then never chose an exchange where exchanges measured fastest). It is set below from
-      // the bandwidth-bound pair, and the exchanges count at beta / eta.
-      x.beta_count += x.exchange_count / eta, x.exchange_count = 0;
-      both.push_back(x);
-      if (c.kind == K::ring) ring_only.push_back(x);
-    }
-    sim::fit_result f;
-    try {
-      f = sim::fit_alpha_beta(both);
-    } catch (const error&) {
-      // Recursive doubling's whole buffer stays in cache up to 1 MiB, where its reductions run
-      // faster than the gamma measured out of cache: at 2 ranks its times can fall below that
-      // gamma's share alone (no positive beta then).
-      try {
-        f = sim::fit_alpha_beta(ring_only);
-      } catch (const error&) {
-        // On a loaded machine the times may fit no positive beta: the given link stays.
-        return false;
-      }
-    }
-    if (f.link.latency_s >= 0) a.link.latency_s = f.link.latency_s;
+    const auto f = fit_ring_and_doubling(cases, size, group_segment, model, eta, [](std::size_t b) {
+      return b <= (std::size_t{1} << 20) && b != tier_probe_bytes;
+    });
+    if (!f) return false;  // the given link stays
+    if (f->link.latency_s >= 0) a.link.latency_s = f->link.latency_s;
     // A fit the simulator cannot use (no bandwidth: times that fell with size on a noisy
     // machine) keeps the given link's value.
-    if (f.link.bandwidth_Bps > 0 && std::isfinite(f.link.bandwidth_Bps)) a.link.bandwidth_Bps = f.link.bandwidth_Bps;
+    if (f->link.bandwidth_Bps > 0 && std::isfinite(f->link.bandwidth_Bps)) a.link.bandwidth_Bps = f->link.bandwidth_Bps;
     return true;
   };
   auto simulate = [&](const sim::link_params& link, auto topo, std::size_t bytes, std::size_t segment) {
-    sim::cluster cl;
-    cl.nic = link;
-    cl.segment_bytes = segment;
-    cl.segments_ahead = sim::cluster::as_executor;
-    return sim::simulator(cl, model).all_reduce(topo, size, calibration_elems(size, bytes)).time_s;
+    return simulated_all_reduce(link, model, topo, size, bytes, segment);
   };
   // An eta outside (0, 1] (a caller's) would divide the exchanges' bytes by nothing.
   const double eta_given = a.link.exchange_efficiency > 0 && a.link.exchange_efficiency <= 1 ? a.link.exchange_efficiency : 1.0;
