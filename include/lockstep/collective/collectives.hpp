@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "../codec/concept.hpp"
@@ -102,7 +103,8 @@ auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, red
                                                          : operation::all_reduce;
     // An error choosing (a bad LOCKSTEP_TOPOLOGY) is the call's: thrown in its turn, so that an
     // asynchronous call hands it to wait() as every other error it meets (request.hpp).
-    topology::choice pick{};
+    // (The choice's type through T: this header does not include automatic.hpp.)
+    std::remove_cvref_t<decltype(topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank()))> pick{};
     std::exception_ptr failed;
     try {
       pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank());
