@@ -4,7 +4,8 @@
 //
 //   lockstep-bench-hybrid [--ranks 4] [--batch 32] [--features 2048] [--fc 4096,4096] [--classes 10]
 //                         [--modes dp-fp32,dp-dyntree8,a-fp32,b-dyntree8,...] [--iters 5] [--threads T] [--json]
-//                         [--predict-gbit G [--latency-us A] [--exchange-efficiency E] [--calibrate]]
+//                         [--predict-gbit G [--latency-us A] [--exchange-efficiency E] [--calibrate]
+//                          [--burst-bytes B --burst-gbit R] [--cores-per-rank C]] [--comm-only]
 //   mpirun -np 4 lockstep-bench-hybrid --transport mpi ...       (bench/netlab --bench-args runs this)
 //
 // Modes: dp-<codec>: every rank holds the whole head, computes on its --batch rows and all-reduces
@@ -17,11 +18,17 @@
 // step, data and headers, this rank's sends (the same on every rank up to the uneven splits).
 // --predict-gbit: beside each row the simulator's step (sim/hybrid.hpp) on links of G Gbit/s
 // (default α 0 and η 0.699, netlab's fit in docs/scaling.md), with the products at the rate of
-// the step's own products measured on this rank while every rank runs them (measure_step_rate),
-// and the codecs' measured rates. --calibrate takes α
-// and the per-message overhead o from small messages on this very group instead (the all-reduces
-// at 4 KiB, 64 KiB and 1 MiB and the segment test of calibrate_automatic, before any step is
-// timed, so the steps stay out of sample); the bandwidth stays --predict-gbit's.
+// the step's own products measured on this rank while every rank runs them, in the shapes of the
+// mode's scheme (measure_step_rate; the GFLOP/s column), and the codecs' measured rates.
+// --calibrate takes α and the per-message overhead o from small messages on this very group
+// instead (the all-reduces at 4 KiB, 64 KiB and 1 MiB and the segment test of
+// calibrate_automatic, before any step is timed, so the steps stay out of sample); the bandwidth
+// stays --predict-gbit's. --burst-bytes / --burst-gbit: the links' token bucket (netlab's tbf:
+// 262144 bytes at 1 Gbit/s; 4.2 Gbit/s is the rate its bytes leave at in docs/scaling.md's fit).
+// --cores-per-rank (default: hardware threads / ranks, as --threads assumes the ranks share this
+// machine): below the product threads + 1, a collective's CPU part delays the products it runs
+// beside (sim::host_cores). --comm-only: the steps without their products, the collectives
+// alone, to set beside the model's comm column (JSON sim_comm_ms).
 #include <lockstep/lockstep.hpp>
 #include <lockstep/sim/hybrid.hpp>
 #include <lockstep/transport/counting.hpp>
@@ -30,6 +37,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -62,7 +70,12 @@ struct options {
   double predict_gbit = 0;  // > 0: also the simulator's step (sim/hybrid.hpp) on links of this rate
   double latency_us = 0, exchange_efficiency = 0.699;  // netlab's fitted link (docs/scaling.md)
   double overhead_us = 0;  // o per message posted and read (sim::link_params::overhead_s)
+  double busy_latency_us = -1;  // --calibrate: α measured while the products run (printed, not modelled)
+  double cores_per_rank = -1;   // sim::host_cores; < 0: hardware threads / ranks (the ranks share this machine)
   bool calibrate = false;  // α and o from calibrate_automatic on this group
+  double burst_bytes = 0;  // the links' token bucket (netlab's tbf burst: 262144 at 1 Gbit/s)
+  double burst_gbit = 0;   // how fast the bucket's bytes leave (0: at once; netlab's fit: 4.2)
+  bool comm_only = false;  // the steps without their products (measure_step_rate still multiplies)
   bool json = false;
 };
 
@@ -93,12 +106,17 @@ options parse(int argc, char** argv) {
     else if (a == "--latency-us") o.latency_us = std::atof(next().c_str());
     else if (a == "--exchange-efficiency") o.exchange_efficiency = std::atof(next().c_str());
     else if (a == "--overhead-us") o.overhead_us = std::atof(next().c_str());
+    else if (a == "--cores-per-rank") o.cores_per_rank = std::atof(next().c_str());
+    else if (a == "--comm-only") o.comm_only = true;
+    else if (a == "--burst-bytes") o.burst_bytes = std::atof(next().c_str());
+    else if (a == "--burst-gbit") o.burst_gbit = std::atof(next().c_str());
     else if (a == "--calibrate") o.calibrate = true;
     else if (a == "--json") o.json = true;
     else if (a == "--help" || a == "-h") {
       std::printf("usage: lockstep-bench-hybrid [--transport inproc|mpi] [--ranks N] [--batch B] [--features F]\n"
                   "       [--fc H1,H2] [--classes NC] [--modes dp-fp32,a-dyntree8,...] [--iters N] [--json]\n"
-                  "       [--predict-gbit G [--latency-us A] [--overhead-us O] [--exchange-efficiency E] [--calibrate]]\n");
+                  "       [--predict-gbit G [--latency-us A] [--overhead-us O] [--exchange-efficiency E] [--calibrate]\n"
+                  "        [--burst-bytes B --burst-gbit R] [--cores-per-rank C]] [--comm-only]\n");
       std::exit(0);
     } else {
       std::fprintf(stderr, "lockstep-bench-hybrid: unknown flag %s (--help)\n", a.c_str());
@@ -108,8 +126,11 @@ options parse(int argc, char** argv) {
   return o;
 }
 
+// --comm-only: every product skipped (the step's collectives alone, to set beside the model's).
+bool skip_products = false;
+
 void sgemm(const parallel::gemm_args& a) {
-  if (a.m == 0 || a.n == 0) return;
+  if (a.m == 0 || a.n == 0 || skip_products) return;
   if (dnnl_sgemm(a.trans_a ? 'T' : 'N', a.trans_b ? 'T' : 'N', static_cast<dnnl_dim_t>(a.m), static_cast<dnnl_dim_t>(a.n),
                  static_cast<dnnl_dim_t>(a.k), 1.0f, a.a, static_cast<dnnl_dim_t>(a.lda), a.b,
                  static_cast<dnnl_dim_t>(a.ldb), a.beta, a.c, static_cast<dnnl_dim_t>(a.ldc)) != dnnl_success)
@@ -136,38 +157,70 @@ struct row {
   double step_ms = 0;
   transport::traffic sent;
   double predicted_ms = 0;  // the simulator's, with --predict-gbit
+  double sim_compute_ms = 0, sim_comm_ms = 0;  // its products alone, its collectives alone
+  double flops_per_s = 0;   // the measured rate of the mode's products it took
 };
 
-// The rate of one step's own products, for --predict-gbit: every product of the step of `hybrid`
-// (every rank's rows against this rank's slices, scheme a's shapes) or of data-parallel (this
-// rank's rows through the whole head), with the ReLU passes, timed while every rank does the
-// same and nothing is sent; the median of 3 runs. Returned as the simulator's flop accounting
-// (sim/hybrid.hpp) over that time, so the model's compute is the step's measured compute: the
-// small and transposed products, cache misses and cores shared by the hosts included.
-template <class G>
-double measure_step_rate(G& g, const options& o, bool hybrid) {
-  const std::size_t K = static_cast<std::size_t>(g.size()), b = o.batch, F = o.F, H1 = o.H1, H2 = o.H2, NC = o.NC;
-  const std::size_t B = hybrid ? b * K : b, n = hybrid ? std::max<std::size_t>(1, H1 / K) : H1;
-  std::vector<float> x(B * F, 0.01f), w1(F * n, 0.01f), w2(n * H2, 0.01f), w3(H2 * NC, 0.01f), h1(B * n), h2(B * H2),
-      y(b * NC), g1(F * n), g2(n * H2), g3(H2 * NC), d2(B * H2), d1(B * n), dx(B * F);
-  auto products = [&] {
-    sgemm({false, false, B, n, F, x.data(), F, w1.data(), n, 0, h1.data(), n});
-    relu_fwd(h1.data(), h1.size());
-    sgemm({false, false, B, H2, n, h1.data(), n, w2.data(), H2, 0, h2.data(), H2});
+// Every product of one step, with the ReLU passes, in the shapes the step runs them
+// (data-parallel: this rank's rows through the whole head; hybrid: every rank's rows against this
+// rank's slices, cut into the scheme's rounds, so that (b) and (c) multiply K times by a K-th of
+// the rows and read the slices K times). Nothing is sent.
+struct step_products {
+  std::size_t b, F, H2, NC, B, n;
+  std::vector<std::size_t> rounds;
+  std::vector<float> x, w1, w2, w3, h1, h2, y, g1, g2, g3, d2, d1, dx;
+
+  step_products(int ranks, const options& o, const std::vector<std::size_t>& round_rows)
+      : b(o.batch), F(o.F), H2(o.H2), NC(o.NC),
+        B(round_rows.empty() ? o.batch : o.batch * static_cast<std::size_t>(ranks)),
+        n(round_rows.empty() ? o.H1 : std::max<std::size_t>(1, o.H1 / static_cast<std::size_t>(ranks))),
+        rounds(round_rows.empty() ? std::vector<std::size_t>{o.batch} : round_rows),
+        x(B * F, 0.01f), w1(F * n, 0.01f), w2(n * H2, 0.01f), w3(H2 * NC, 0.01f), h1(B * n), h2(B * H2), y(b * NC),
+        g1(F * n), g2(n * H2), g3(H2 * NC), d2(B * H2), d1(B * n), dx(B * F) {}
+
+  void operator()() {
+    std::size_t at = 0;
+    for (const std::size_t m : rounds) {  // fc1 forward, then fc2's partial products, round by round
+      sgemm({false, false, m, n, F, x.data() + at * F, F, w1.data(), n, 0, h1.data() + at * n, n});
+      relu_fwd(h1.data() + at * n, m * n);
+      sgemm({false, false, m, H2, n, h1.data() + at * n, n, w2.data(), H2, 0, h2.data() + at * H2, H2});
+      at += m;
+    }
     relu_fwd(h2.data(), b * H2);
     sgemm({false, false, b, NC, H2, h2.data(), H2, w3.data(), NC, 0, y.data(), NC});
     sgemm({true, false, H2, NC, b, h2.data(), H2, y.data(), NC, 0, g3.data(), NC});
     sgemm({false, true, b, H2, NC, y.data(), NC, w3.data(), NC, 0, d2.data(), H2});
     relu_bwd(d2.data(), h2.data(), b * H2);
-    sgemm({false, true, B, n, H2, d2.data(), H2, w2.data(), H2, 0, d1.data(), n});
+    at = 0;
+    for (const std::size_t m : rounds) {  // fc2's dH rows, then fc1's partial dX rows
+      sgemm({false, true, m, n, H2, d2.data() + at * H2, H2, w2.data(), H2, 0, d1.data() + at * n, n});
+      relu_bwd(d1.data() + at * n, h1.data() + at * n, m * n);
+      sgemm({false, true, m, F, n, d1.data() + at * n, n, w1.data(), n, 0, dx.data() + at * F, F});
+      at += m;
+    }
     sgemm({true, false, n, H2, B, h1.data(), n, d2.data(), H2, 0, g2.data(), H2});
-    relu_bwd(d1.data(), h1.data(), d1.size());
-    sgemm({false, true, B, F, n, d1.data(), n, w1.data(), n, 0, dx.data(), F});
     sgemm({true, false, F, n, B, x.data(), F, d1.data(), n, 0, g1.data(), n});
-  };
+  }
+
+  // The simulator's flop accounting of these products (sim/hybrid.hpp counts every product 3 times:
+  // forward, and the two of backward).
+  double flops() const {
+    auto mm = [](double m_, double n_, double k_) { return 2.0 * m_ * n_ * k_; };
+    return 3 * (mm(double(B), double(n), double(F)) + mm(double(B), double(H2), double(n)) +
+                mm(double(b), double(NC), double(H2)));
+  }
+};
+
+// The rate of one step's own products, for --predict-gbit: step_products timed while every rank
+// runs the same, the median of 5 runs, as the simulator's flop accounting over that time, so the
+// model's compute is the step's measured compute: the small and transposed products, the weights
+// read once per round, cache misses and cores shared by the hosts included.
+template <class G>
+double measure_step_rate(G& g, const options& o, const std::vector<std::size_t>& round_rows) {
+  step_products products(g.size(), o, round_rows);
   products();
   std::vector<double> ts;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 5; ++i) {
     barrier(g);
     const auto t0 = std::chrono::steady_clock::now();
     products();
@@ -175,19 +228,90 @@ double measure_step_rate(G& g, const options& o, bool hybrid) {
   }
   barrier(g);
   std::sort(ts.begin(), ts.end());
-  auto mm = [](double m_, double n_, double k_) { return 2.0 * m_ * n_ * k_; };
-  const double flops = 3 * (mm(double(B), double(n), double(F)) + mm(double(B), double(H2), double(n)) +
-                            mm(double(b), double(NC), double(H2)));
-  return flops / ts[1];
+  return products.flops() / ts[ts.size() / 2];
 }
+
+// Rows per round of scheme S when every rank holds `batch` rows.
+template <parallel::scheme S>
+std::vector<std::size_t> round_rows(int ranks, std::size_t batch) {
+  std::vector<std::size_t> out;
+  for (const auto& r : S::rounds(std::vector<std::size_t>(static_cast<std::size_t>(ranks), batch))) {
+    std::size_t m = 0;
+    for (const auto& blk : r) m += blk.size();
+    out.push_back(m);
+  }
+  return out;
+}
+
+// The step products' measured rates by kind (dp, a, b, c), for the modes asked for.
+struct step_rates_t {
+  double dp = 0, a = 0, b = 0, c = 0;
+  double of(const std::string& mode) const {
+    switch (mode[0]) {
+      case 'a': return a;
+      case 'b': return b;
+      case 'c': return c;
+      default: return dp;
+    }
+  }
+};
 
 template <class C>
 sim::codec_model model_with_rates(const C& c) {
   return sim::model_of(c, c.identity ? sim::codec_rates{} : sim::measure_rates(c, std::size_t{1} << 20, 2));
 }
 
+// The mean time of `reps` 4 KiB fp32 ring all-reduces, one after another, over the group.
+template <class G>
+double small_all_reduce_s(G& g, int reps) {
+  std::vector<float> v(1024, 1.0f);
+  codec::fp32 c;
+  barrier(g);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) all_reduce(g, std::span<float>(v), topology::ring{}, c, reduce_op::average);
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+  std::vector<float> mean{static_cast<float>(t)};
+  all_reduce(g, std::span<float>(mean), topology::ring{}, c, reduce_op::average);
+  return mean[0];
+}
+
+// α while every rank multiplies: the same small all-reduces as above, timed once with the cores
+// idle and once while a thread of every rank runs the step's products (scheme a's, in a loop),
+// as a round of (b) or (c), or an all-reduce behind backward, runs beside the calling thread's
+// products. Where the hosts have fewer cores than threads, a message then waits for its receiver
+// to be scheduled: α_busy = α + (t_busy - t_idle) / hops, hops = 2 (K - 1) of the ring.
+template <class G>
+double measure_busy_latency_us(G& g, const options& o, double latency_us) {
+  const int K = g.size();
+  if (K < 2) return latency_us;
+  constexpr int reps = 32;
+  small_all_reduce_s(g, 4);  // warm
+  const double idle = small_all_reduce_s(g, reps);
+  step_products products(K, o, round_rows<parallel::gather_all>(K, o.batch));
+  std::atomic<bool> stop{false};
+  const int threads = omp_get_max_threads();
+  std::thread worker([&] {
+    omp_set_num_threads(threads);
+    while (!stop.load(std::memory_order_relaxed)) products();
+  });
+  double busy = 0;
+  try {
+    small_all_reduce_s(g, 4);
+    busy = small_all_reduce_s(g, reps);
+  } catch (...) {
+    stop = true;
+    worker.join();
+    throw;
+  }
+  stop = true;
+  worker.join();
+  barrier(g);
+  return std::max(latency_us, latency_us + (busy - idle) / (2.0 * (K - 1)) * 1e6);
+}
+
 // --calibrate: α and o measured on this group with small messages (the same values on every rank:
-// calibrate_automatic averages over the group), before any step is timed.
+// calibrate_automatic averages over the group), and α while the products run, before any step is
+// timed.
 template <class G>
 options calibrated(G& g, const options& o) {
   if (!o.calibrate || o.predict_gbit <= 0) return o;
@@ -195,15 +319,25 @@ options calibrated(G& g, const options& o) {
   options c = o;
   c.latency_us = a.link.latency_s * 1e6;
   c.overhead_us = a.link.overhead_s * 1e6;
+  c.busy_latency_us = measure_busy_latency_us(g, o, c.latency_us);
   return c;
+}
+
+// The cores of one rank: --cores-per-rank, or this machine's hardware threads shared by the ranks
+// (in-process ranks, and netlab's hosts, which share this machine; as --threads assumes).
+double cores_per_rank(const options& o, int ranks) {
+  if (o.cores_per_rank >= 0) return o.cores_per_rank;
+  return static_cast<double>(std::max(1u, std::thread::hardware_concurrency())) / std::max(1, ranks);
 }
 
 // The simulator's step for `mode` on the links of --predict-gbit.
 template <class G>
-double predict_ms(G& g, const options& o, const std::string& mode, double flops) {
+sim::step_estimate predict(G& g, const options& o, const std::string& mode, double flops) {
   sim::cluster cl;
   cl.nic = {o.latency_us * 1e-6, o.predict_gbit * 1e9 / 8, o.exchange_efficiency};
   cl.nic.overhead_s = o.overhead_us * 1e-6;
+  cl.nic.burst_bytes = o.burst_bytes;
+  cl.nic.burst_rate_Bps = o.burst_gbit * 1e9 / 8;
   cl.segment_bytes = G::transport_type::segment_bytes;
   cl.segments_ahead = sim::cluster::as_executor;
   const sim::fc_head h{g.size(), o.batch, o.F, o.H1, o.H2, o.NC};
@@ -214,12 +348,13 @@ double predict_ms(G& g, const options& o, const std::string& mode, double flops)
   if (cname == "bf16") c = model_with_rates(codec::bf16{});
   else if (cname == "int8") c = model_with_rates(codec::int8{});
   else if (cname == "dyntree8") c = model_with_rates(codec::dyntree8{});
+  const sim::host_cores cores{cores_per_rank(o, g.size()), omp_get_max_threads()};
   sim::step_estimate e;
-  if (kind == "dp") e = sim::data_parallel_step(cl, c, h, flops);
-  else if (kind == "a") e = sim::hybrid_step<parallel::gather_all>(cl, c, f32, h, flops);
-  else if (kind == "b") e = sim::hybrid_step<parallel::by_rank>(cl, c, f32, h, flops);
-  else e = sim::hybrid_step<parallel::by_slice>(cl, c, f32, h, flops);
-  return e.step_s * 1e3;
+  if (kind == "dp") e = sim::data_parallel_step(cl, c, h, flops, cores);
+  else if (kind == "a") e = sim::hybrid_step<parallel::gather_all>(cl, c, f32, h, flops, cores);
+  else if (kind == "b") e = sim::hybrid_step<parallel::by_rank>(cl, c, f32, h, flops, cores);
+  else e = sim::hybrid_step<parallel::by_slice>(cl, c, f32, h, flops, cores);
+  return e;
 }
 
 template <class G, class Step>
@@ -317,19 +452,33 @@ row run_hybrid(G& g, const options& o, C codec, const std::string& mode) {
 template <class G>
 row run_mode_measured(G& g, const options& o, const std::string& mode);
 
-// flops: the step products' measured rates (data-parallel, hybrid), from measure_step_rate.
+// rates: the step products' measured rates by kind, from measure_step_rate.
 template <class G>
-row run_mode(G& g, const options& o, const std::string& mode, std::pair<double, double> flops) {
+row run_mode(G& g, const options& o, const std::string& mode, const step_rates_t& rates) {
+  skip_products = o.comm_only;
   row r = run_mode_measured(g, o, mode);
-  if (o.predict_gbit > 0) r.predicted_ms = predict_ms(g, o, mode, mode.rfind("dp-", 0) == 0 ? flops.first : flops.second);
+  skip_products = false;
+  if (o.predict_gbit > 0) {
+    r.flops_per_s = rates.of(mode);
+    const sim::step_estimate e = predict(g, o, mode, r.flops_per_s);
+    r.predicted_ms = e.step_s * 1e3, r.sim_compute_ms = e.compute_s * 1e3, r.sim_comm_ms = e.comm_s * 1e3;
+  }
   return r;
 }
 
 template <class G>
-std::pair<double, double> step_rates(G& g, const options& o) {
-  if (o.predict_gbit <= 0) return {0, 0};
-  const double dp = measure_step_rate(g, o, false);
-  return {dp, measure_step_rate(g, o, true)};
+step_rates_t step_rates(G& g, const options& o) {
+  step_rates_t r;
+  if (o.predict_gbit <= 0) return r;
+  auto wanted = [&](char k) {
+    return std::any_of(o.modes.begin(), o.modes.end(), [&](const std::string& m) { return !m.empty() && m[0] == k; });
+  };
+  // Every rank asks for the same modes, so every rank runs the same measurements (each has barriers).
+  if (wanted('d')) r.dp = measure_step_rate(g, o, {});
+  if (wanted('a')) r.a = measure_step_rate(g, o, round_rows<parallel::gather_all>(g.size(), o.batch));
+  if (wanted('b')) r.b = measure_step_rate(g, o, round_rows<parallel::by_rank>(g.size(), o.batch));
+  if (wanted('c')) r.c = measure_step_rate(g, o, round_rows<parallel::by_slice>(g.size(), o.batch));
+  return r;
 }
 
 template <class G>
@@ -358,23 +507,30 @@ void report(const options& o, const std::vector<row>& rows, const std::string& t
     for (const auto& r : rows)
       std::printf("{\"bench\":\"hybrid\",\"transport\":\"%s\",\"ranks\":%d,\"batch\":%zu,\"features\":%zu,\"h1\":%zu,"
                   "\"h2\":%zu,\"mode\":\"%s\",\"step_ms\":%.3f,\"predicted_ms\":%.3f,\"bytes\":%llu,\"messages\":%llu,"
-                  "\"header_bytes\":%llu,\"sim_gbit\":%.4f,\"sim_alpha_us\":%.2f,\"sim_overhead_us\":%.2f}\n",
+                  "\"header_bytes\":%llu,\"sim_gbit\":%.4f,\"sim_alpha_us\":%.2f,\"sim_overhead_us\":%.2f,\"sim_busy_alpha_us\":%.2f,\"sim_cores_per_rank\":%.3f,\"sim_gflops\":%.3f,\"sim_compute_ms\":%.3f,\"sim_comm_ms\":%.3f}\n",
                   transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms, r.predicted_ms,
                   static_cast<unsigned long long>(r.sent.bytes), static_cast<unsigned long long>(r.sent.messages),
-                  static_cast<unsigned long long>(r.sent.header_bytes), o.predict_gbit, o.latency_us, o.overhead_us);
+                  static_cast<unsigned long long>(r.sent.header_bytes), o.predict_gbit, o.latency_us, o.overhead_us,
+                  o.busy_latency_us < 0 ? o.latency_us : o.busy_latency_us, cores_per_rank(o, ranks), r.flops_per_s * 1e-9,
+                  r.sim_compute_ms,
+                  r.sim_comm_ms);
     return;
   }
   std::printf("%d ranks (%s), batch %zu per rank, head %zu -> %zu -> %zu -> %zu; rank 0's sends per step\n", ranks,
               transport_name.c_str(), o.batch, o.F, o.H1, o.H2, o.NC);
   if (o.predict_gbit > 0)
-    std::printf("sim: %.3f Gbit/s, alpha %.1f us, overhead %.1f us per message, eta %.3f%s\n", o.predict_gbit, o.latency_us,
-                o.overhead_us, o.exchange_efficiency, o.calibrate ? " (alpha and overhead calibrated on this group)" : "");
-  std::printf("%-12s %10s %8s %10s %14s %10s %8s\n", "mode", "step ms", "x dp32", "sim ms", "bytes sent", "x dp32", "msgs");
+    std::printf("sim: %.3f Gbit/s, alpha %.1f us, overhead %.1f us per message, eta %.3f%s; %.2f cores per rank\n",
+                o.predict_gbit, o.latency_us, o.overhead_us, o.exchange_efficiency,
+                o.calibrate ? " (alpha and overhead calibrated on this group)" : "", cores_per_rank(o, ranks));
+  if (o.busy_latency_us >= 0)
+    std::printf("measured, not modelled: alpha %.1f us while every rank's products run without a pause\n", o.busy_latency_us);
+  std::printf("%-12s %10s %8s %10s %14s %10s %8s %9s\n", "mode", "step ms", "x dp32", "sim ms", "bytes sent", "x dp32", "msgs",
+              "GFLOP/s");
   for (const auto& r : rows) {
     const double b = static_cast<double>(r.sent.bytes + r.sent.header_bytes);
-    std::printf("%-12s %10.2f %8.3f %10.2f %14.0f %10.4f %8llu\n", r.mode.c_str(), r.step_ms, dp_ms > 0 ? r.step_ms / dp_ms : 0.0,
-                r.predicted_ms, b,
-                dp_bytes > 0 ? b / dp_bytes : 0.0, static_cast<unsigned long long>(r.sent.messages + r.sent.header_messages));
+    std::printf("%-12s %10.2f %8.3f %10.2f %14.0f %10.4f %8llu %9.2f\n", r.mode.c_str(), r.step_ms,
+                dp_ms > 0 ? r.step_ms / dp_ms : 0.0, r.predicted_ms, b, dp_bytes > 0 ? b / dp_bytes : 0.0,
+                static_cast<unsigned long long>(r.sent.messages + r.sent.header_messages), r.flops_per_s * 1e-9);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <lockstep/collective/executor.hpp>  // chunk_range
 #include <lockstep/sim/cost_model.hpp>
 #include <lockstep/sim/fit.hpp>
+#include <lockstep/sim/hybrid.hpp>
 #include <lockstep/sim/simulator.hpp>
 #include <lockstep/topology.hpp>
 
@@ -839,4 +840,84 @@ TEST_CASE("a per-message overhead makes many small segments cost more than few l
   CHECK(time(0, 64 << 10) == Approx(time(0, 4 << 20)).epsilon(0.02));
   // With it each of the 64 segments of a 4 MiB chunk pays o twice, at 4 MiB segments only once.
   CHECK(time(20e-6, 64 << 10) > time(20e-6, 4 << 20) + 6 * 63 * 20e-6);
+}
+
+// ---- sim/hybrid.hpp: the hybrid and data-parallel steps, and cores the two lanes share ----------
+
+namespace {
+
+const sim::fc_head small_head{4, 8, 64, 128, 128, 10};
+
+template <class S>
+sim::step_estimate hybrid(const sim::cluster& cl, const sim::codec_model& c, double flops, sim::host_cores cores = {}) {
+  return sim::hybrid_step<S>(cl, c, sim::model_of(codec::fp32{}), small_head, flops, cores);
+}
+
+}  // namespace
+
+TEST_CASE("host_cores: the share of a collective's CPU part that the products lose", "[sim][hybrid]") {
+  CHECK(sim::host_cores{}.serial() == 0.0);           // unset: a core per lane
+  CHECK(sim::host_cores{0.5, 1}.serial() == 1.0);     // netlab: 4 hosts on 2 cores
+  CHECK(sim::host_cores{1.0, 1}.serial() == 1.0);
+  CHECK(sim::host_cores{1.5, 1}.serial() == 0.5);
+  CHECK(sim::host_cores{2.0, 1}.serial() == 0.0);     // the worker has a core of its own
+  CHECK(sim::host_cores{8.0, 4}.serial() == 0.0);
+  CHECK(sim::host_cores{4.0, 4}.serial() == 1.0);
+}
+
+TEST_CASE("a hybrid step is its products on free links and its collectives at infinite flops", "[sim][hybrid]") {
+  sim::cluster free_links;
+  free_links.nic = {0.0, 1e18};
+  free_links.local = {0.0, 1e18};
+  const auto f32 = sim::model_of(codec::fp32{});
+  for (const sim::host_cores cores : {sim::host_cores{}, sim::host_cores{0.5, 1}}) {
+    for (const auto& e : {hybrid<parallel::gather_all>(free_links, f32, 1e9, cores),
+                          hybrid<parallel::by_rank>(free_links, f32, 1e9, cores),
+                          hybrid<parallel::by_slice>(free_links, f32, 1e9, cores)}) {
+      CHECK(e.comm_s == Approx(0.0).margin(1e-12));
+      CHECK(e.step_s == Approx(e.compute_s).epsilon(1e-9));
+    }
+    const auto dp = sim::data_parallel_step(free_links, f32, small_head, 1e9, cores);
+    CHECK(dp.step_s == Approx(dp.compute_s).epsilon(1e-9));
+  }
+  // Products free: the collectives one after another on the wire.
+  const sim::cluster cl = gigabit();
+  for (const auto& e : {hybrid<parallel::gather_all>(cl, f32, 1e30), hybrid<parallel::by_rank>(cl, f32, 1e30),
+                        hybrid<parallel::by_slice>(cl, f32, 1e30)}) {
+    CHECK(e.compute_s < 1e-12);
+    CHECK(e.step_s == Approx(e.comm_s).epsilon(1e-9));
+  }
+}
+
+TEST_CASE("shared cores: overlapped rounds give their CPU part to the products, never more", "[sim][hybrid]") {
+  sim::cluster cl = gigabit();
+  cl.nic.latency_s = 500e-6;  // latency-bound rounds, as netlab's
+  const auto f32 = sim::model_of(codec::fp32{});
+  const auto lossy = sim::model_of(codec::dyntree8{}, some_gamma());
+  const double flops = 1e7;  // a round's products (ms) of the order of a round's collective
+  const sim::host_cores shared{0.5, 1}, own{2.0, 1};
+  auto check = [&](const sim::step_estimate& free, const sim::step_estimate& contended, bool overlaps) {
+    CHECK(contended.compute_s == Approx(free.compute_s));
+    CHECK(contended.comm_s == Approx(free.comm_s));
+    CHECK(contended.step_s >= free.step_s);
+    // Each lane's work once, one after the other: the most that sharing can cost.
+    CHECK(contended.step_s <= free.compute_s + free.comm_s + 1e-12);
+    if (overlaps) CHECK(contended.step_s > free.step_s * 1.01);
+  };
+  for (const auto* c : {&f32, &lossy}) {
+    // (b) and (c) move round r + 1 while round r's product runs: every such round costs the products.
+    check(hybrid<parallel::by_rank>(cl, *c, flops), hybrid<parallel::by_rank>(cl, *c, flops, shared), true);
+    check(hybrid<parallel::by_slice>(cl, *c, flops), hybrid<parallel::by_slice>(cl, *c, flops, shared), true);
+    check(hybrid<parallel::gather_all>(cl, *c, flops), hybrid<parallel::gather_all>(cl, *c, flops, shared), false);
+    check(sim::data_parallel_step(cl, *c, small_head, flops), sim::data_parallel_step(cl, *c, small_head, flops, shared),
+          false);
+    // A core of its own for the worker: as if unset.
+    CHECK(hybrid<parallel::by_slice>(cl, *c, flops, own).step_s == hybrid<parallel::by_slice>(cl, *c, flops).step_s);
+  }
+  // The CPU part is the latency and the codec's work: with neither, sharing costs nothing.
+  cl.nic.latency_s = 0;
+  cl.local.latency_s = 0;
+  CHECK(hybrid<parallel::by_slice>(cl, f32, flops, shared).step_s ==
+        Approx(hybrid<parallel::by_slice>(cl, f32, flops).step_s).epsilon(1e-9));
+  CHECK(sim::detail::without_wire(cl).nic.bandwidth_Bps > 1e15);
 }

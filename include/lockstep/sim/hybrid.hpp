@@ -11,9 +11,12 @@
 //     when the product is done and round r-1's collective is; `overlap` work (dW) after the last
 //     product.
 // Broadcasts (by_rank's gather rounds) are the root's scatter in closed form plus the simulated
-// all-gather. What it leaves out: the products and the codec work competing for one core, the descriptor's
-// latency beyond one small all-gather, and the classifier (replicated, tiny) beyond its product
-// and one all-reduce. Ranks are taken to hold equal rows, so the slowest rank is any rank.
+// all-gather. Where a rank has fewer cores than its lanes have threads (host_cores), the two lanes
+// are not independent: a collective's CPU part (its time on links of unbounded bandwidth: the
+// latency of its messages, which on shared cores is mostly waiting to be scheduled, their o and the
+// codec's work) comes out of the products' time while the two run at once. What it leaves out: the
+// descriptor's latency beyond one small all-gather, and the classifier (replicated, tiny) beyond
+// its product and one all-reduce. Ranks are taken to hold equal rows, so the slowest rank is any rank.
 // hybrid_model_step / data_parallel_model_step put the head between data-parallel convolutions
 // (a whole CNN step, the papers' settings: bench/hybrid_projection.cpp).
 #pragma once
@@ -37,6 +40,20 @@ struct fc_head {
   std::size_t F = 2048, H1 = 4096, H2 = 4096, NC = 10;
 };
 
+// The cores one rank's lanes share. The worker (collectives) has a core of its own beside the
+// compute_threads of the products only where cores_per_rank >= compute_threads + 1; with fewer,
+// the fraction serial() of a collective's CPU part delays the products it runs beside (1 where
+// the products alone fill the rank's cores, as netlab's hosts sharing one machine). 0: a core for
+// each lane, the lanes independent.
+struct host_cores {
+  double cores_per_rank = 0;
+  int compute_threads = 1;
+  constexpr double serial() const noexcept {
+    if (cores_per_rank <= 0) return 0.0;
+    return std::clamp(compute_threads + 1.0 - cores_per_rank, 0.0, 1.0);
+  }
+};
+
 struct step_estimate {
   double step_s = 0;
   double compute_s = 0;  // products alone
@@ -53,10 +70,27 @@ inline double collective_s(const cluster& cl, const codec_model& c, int K, std::
   return s.run(K, n, sched, finalize, offsets).time_s;
 }
 
+// The cluster with links of unbounded bandwidth: what a collective takes there is its CPU part
+// (the latencies, o and the codec's work), the rest is the wire's.
+inline cluster without_wire(cluster cl) {
+  for (link_params* l : {&cl.nic, &cl.local}) {
+    l->bandwidth_Bps *= 1e9;
+    l->burst_bytes = 0;
+    l->burst_rate_Bps = 0;
+  }
+  cl.switch_bandwidth_Bps = 0;
+  return cl;
+}
+
+// A collective's time and its CPU part.
+struct cost {
+  double t = 0, cpu = 0;
+};
+
 // One round's collective: a gather (all_gather_v, or a broadcast from the one rank taking part)
 // or a reduce (reduce_scatter_v) of `width` values per row.
-inline double round_s(const cluster& cl, const codec_model& c, int K, const parallel::round_blocks& r, std::size_t width,
-                      bool gather) {
+inline double round_time_s(const cluster& cl, const codec_model& c, int K, const parallel::round_blocks& r, std::size_t width,
+                           bool gather) {
   std::vector<std::size_t> off(static_cast<std::size_t>(K) + 1, 0);
   int contributors = 0, root = -1;
   for (int k = 0; k < K; ++k) {
@@ -79,27 +113,52 @@ inline double round_s(const cluster& cl, const codec_model& c, int K, const para
   return collective_s(cl, c, K, n, [&](int q) { return ring.reduce_scatter(q, K); }, false, off);
 }
 
+inline cost round_cost(const cluster& cl, const codec_model& c, int K, const parallel::round_blocks& r, std::size_t width,
+                       bool gather) {
+  return {round_time_s(cl, c, K, r, width, gather), round_time_s(without_wire(cl), c, K, r, width, gather)};
+}
+
+inline cost collective_cost(const cluster& cl, const codec_model& c, int K, std::size_t n,
+                            const std::function<topology::schedule(int)>& sched, bool finalize) {
+  return {collective_s(cl, c, K, n, sched, finalize), collective_s(without_wire(cl), c, K, n, sched, finalize)};
+}
+
 struct timeline {
   double compute = 0, comm = 0;  // when each resource is next free
   double computing = 0, communicating = 0;
+  double serial = 0;             // host_cores::serial()
+  // What collective x, running from `start`, takes from the products while the compute lane is
+  // busy until `busy_until`: its CPU part in proportion to the time the two overlap.
+  double contention(const cost& x, double start, double busy_until) const {
+    if (serial <= 0 || x.t <= 0) return 0.0;
+    const double overlap = std::clamp(busy_until - start, 0.0, x.t);
+    return serial * x.cpu * overlap / x.t;
+  }
 };
 
-// rounds: rows per round (m), the round's collective time, its product's seconds.
-inline void gather_phase(timeline& t, const std::vector<double>& comm, const std::vector<double>& work) {
+// rounds: the round's collective, its product's seconds.
+inline void gather_phase(timeline& t, const std::vector<cost>& comm, const std::vector<double>& work) {
   double c = std::max(t.comm, t.compute);
   for (std::size_t r = 0; r < comm.size(); ++r) {
-    c += comm[r];
+    const double start = c;
+    c += comm[r].t;
+    // earlier rounds' products run until t.compute while round r moves
+    t.compute += t.contention(comm[r], start, t.compute);
     t.compute = std::max(t.compute, c) + work[r];
-    t.communicating += comm[r], t.computing += work[r];
+    t.communicating += comm[r].t, t.computing += work[r];
   }
   t.comm = c;
 }
-inline void reduce_phase(timeline& t, const std::vector<double>& work, const std::vector<double>& comm, double overlap) {
+inline void reduce_phase(timeline& t, const std::vector<double>& work, const std::vector<cost>& comm, double overlap) {
   t.compute = std::max(t.compute, t.comm);
   for (std::size_t r = 0; r < comm.size(); ++r) {
     t.compute += work[r];
-    t.comm = std::max(t.comm, t.compute) + comm[r];
-    t.communicating += comm[r], t.computing += work[r];
+    const double start = std::max(t.comm, t.compute);
+    t.comm = start + comm[r].t;
+    // round r moves while the next product (or the overlap work after the last) runs
+    const double next = r + 1 < comm.size() ? work[r + 1] : overlap;
+    t.compute += t.contention(comm[r], start, t.compute + next);
+    t.communicating += comm[r].t, t.computing += work[r];
   }
   t.compute += overlap;
   t.computing += overlap;
@@ -111,26 +170,27 @@ inline void reduce_phase(timeline& t, const std::vector<double>& work, const std
 // activations in `act`, then the replicated classifier (H2 -> NC, its gradients all-reduced in fp32).
 template <parallel::scheme S>
 step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec_model& fp32, const fc_head& h,
-                          double flops_per_s) {
+                          double flops_per_s, const host_cores& cores = {}) {
   const int K = h.ranks;
   const std::vector<std::size_t> rows(static_cast<std::size_t>(K), h.rows);
   const auto rounds = S::rounds(rows);
   const std::size_t B = h.rows * static_cast<std::size_t>(K);
   const double n_k = static_cast<double>(h.H1) / K;  // columns of fc1, input rows of fc2, per rank
   auto mm = [&](double m, double n, double k) { return 2.0 * m * n * k / flops_per_s; };
-  std::vector<double> g_fwd, w1, r_fwd, w2, g_bwd, w3, r_bwd, w4;
+  std::vector<detail::cost> g_fwd, r_fwd, g_bwd, r_bwd;
+  std::vector<double> w1, w2, w3, w4;
   for (const auto& r : rounds) {
     std::size_t m = 0;
     for (const auto& b : r) m += b.size();
     const double md = static_cast<double>(m);
-    g_fwd.push_back(detail::round_s(cl, act, K, r, h.F, true));    // X rows
+    g_fwd.push_back(detail::round_cost(cl, act, K, r, h.F, true));    // X rows
     w1.push_back(mm(md, n_k, static_cast<double>(h.F)));            // Y_k = X W_k
     w2.push_back(mm(md, static_cast<double>(h.H2), n_k));           // partial Y2 = H_k W2_k
-    r_fwd.push_back(detail::round_s(cl, act, K, r, h.H2, false));   // Y2 to its rows' owners
-    g_bwd.push_back(detail::round_s(cl, act, K, r, h.H2, true));    // dY2 rows
+    r_fwd.push_back(detail::round_cost(cl, act, K, r, h.H2, false));   // Y2 to its rows' owners
+    g_bwd.push_back(detail::round_cost(cl, act, K, r, h.H2, true));    // dY2 rows
     w3.push_back(mm(md, n_k, static_cast<double>(h.H2)));           // dH_k = dY2 W2_kᵀ
     w4.push_back(mm(md, static_cast<double>(h.F), n_k));           // dX partial = dY1_k W_kᵀ
-    r_bwd.push_back(detail::round_s(cl, act, K, r, h.F, false));    // dX to its rows' owners
+    r_bwd.push_back(detail::round_cost(cl, act, K, r, h.F, false));    // dX to its rows' owners
   }
   const double Bd = static_cast<double>(B), rows_d = static_cast<double>(h.rows);
   const double desc = detail::collective_s(cl, fp32, K, 10u * static_cast<std::size_t>(K),
@@ -139,6 +199,7 @@ step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec
   const double classifier_ar = detail::collective_s(cl, fp32, K, h.H2 * h.NC,
                                                     [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
   detail::timeline t;
+  t.serial = cores.serial();
   t.comm = t.compute = desc;
   detail::gather_phase(t, g_fwd, w1);
   t.compute = t.comm = std::max(t.compute, t.comm) + desc;  // fc2's descriptor, after fc1's products
@@ -157,24 +218,29 @@ step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec
 
 // The same head data-parallel: every rank computes its rows through the whole head and all-reduces
 // each layer's gradients (codec `grads`) as backward produces them, one after another.
-inline step_estimate data_parallel_step(const cluster& cl, const codec_model& grads, const fc_head& h, double flops_per_s) {
+inline step_estimate data_parallel_step(const cluster& cl, const codec_model& grads, const fc_head& h, double flops_per_s,
+                                        const host_cores& cores = {}) {
   const int K = h.ranks;
   const double m = static_cast<double>(h.rows);
   auto mm = [&](double a, double b, double c) { return 2.0 * a * b * c / flops_per_s; };
   auto ar = [&](std::size_t n) {
-    return detail::collective_s(cl, grads, K, n, [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
+    return detail::collective_cost(cl, grads, K, n,
+                                   [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
   };
   const double F = static_cast<double>(h.F), H1 = static_cast<double>(h.H1), H2 = static_cast<double>(h.H2),
                NC = static_cast<double>(h.NC);
   const double fwd = mm(m, H1, F) + mm(m, H2, H1) + mm(m, NC, H2);
   const double b3 = 2 * mm(m, NC, H2), b2 = 2 * mm(m, H2, H1), b1 = 2 * mm(m, H1, F);
-  const double a3 = ar(h.H2 * h.NC), a2 = ar(h.H1 * h.H2), a1 = ar(h.F * h.H1);
-  double compute = fwd + b3, comm = compute + a3;
-  compute += b2;
-  comm = std::max(comm, compute) + a2;
-  compute += b1;
-  comm = std::max(comm, compute) + a1;
-  return {std::max(compute, comm), fwd + b3 + b2 + b1, a1 + a2 + a3};
+  const detail::cost a3 = ar(h.H2 * h.NC), a2 = ar(h.H1 * h.H2), a1 = ar(h.F * h.H1);
+  detail::timeline t;
+  t.serial = cores.serial();
+  double compute = fwd + b3, comm = compute + a3.t;  // a3 moves while b2 runs
+  compute += b2 + t.contention(a3, compute, compute + b2);
+  const double start2 = std::max(comm, compute);  // a2 moves while b1 runs
+  comm = start2 + a2.t;
+  compute += b1 + t.contention(a2, start2, compute + b1);
+  comm = std::max(comm, compute) + a1.t;
+  return {std::max(compute, comm), fwd + b3 + b2 + b1, a1.t + a2.t + a3.t};
 }
 
 // A whole CNN step (the papers' settings): the convolutions data-parallel on every rank's rows
