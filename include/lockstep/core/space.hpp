@@ -44,10 +44,6 @@
 #include "config.hpp"
 #include "host_stream.hpp"
 
-#if LOCKSTEP_HOST_AVX2 || (defined(__SSE2__) && !defined(__CUDACC__) && !defined(LOCKSTEP_NO_SIMD))
-#include <immintrin.h>  // detail::copy_bytes's streaming stores
-#endif
-
 namespace lockstep::space {
 
 template <class S>
@@ -110,58 +106,6 @@ struct divide_by {
   LOCKSTEP_HD void operator()(std::size_t i) const noexcept { x[i] /= by; }
 };
 
-// A collective's copies (a received segment put in place, an all-gather's final values) are
-// written once and not read again by this rank before the call returns. Copies of a whole segment
-// (1 MiB and more: only calls of several MiB cut such pieces, and their buffers are past the
-// per-core caches) skip the read for ownership that a plain store makes of each destination line,
-// a third stream of memory traffic, by non-temporal stores. On machine C (docs/benchmarks.md),
-// whose glibc keeps plain stores far past these sizes (its threshold follows the 480 MiB
-// last-level cache the hypervisor reports), 1 MiB copies ran at 10.1 GB/s against memcpy's 7.3,
-// and inproc busbw at 64 MiB rose 13% (ring) and 25% (direct). Smaller copies stay in cache and
-// take memcpy, as do builds without SSE2 and nvcc. The bytes are the same either way.
-inline constexpr std::size_t streaming_copy_bytes = std::size_t{1} << 20;
-
-inline void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
-#if LOCKSTEP_HOST_AVX2 || (defined(__SSE2__) && !defined(__CUDACC__) && !defined(LOCKSTEP_NO_SIMD))
-  if (bytes >= streaming_copy_bytes) {
-    auto* d = static_cast<char*>(dst);
-    auto* s = static_cast<const char*>(src);
-    // Stores must be aligned: plain-copy the head up to the destination's next 64-byte line.
-    const std::size_t head = (64 - (reinterpret_cast<std::uintptr_t>(d) & 63)) & 63;
-    std::memcpy(d, s, head);
-    d += head, s += head, bytes -= head;
-    std::size_t i = 0;
-#if LOCKSTEP_HOST_AVX512
-    for (; i + 128 <= bytes; i += 128) {
-      const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 64);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), a);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i + 64), b);
-    }
-#elif LOCKSTEP_HOST_AVX2
-    for (; i + 128 <= bytes; i += 128) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)),
-                    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32)),
-                    c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 64)),
-                    e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 96));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
-    }
-#else
-    for (; i + 64 <= bytes; i += 64)
-      for (std::size_t j = 0; j < 64; j += 16)
-        _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + j), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + j)));
-#endif
-    std::memcpy(d + i, s + i, bytes - i);
-    // Streaming stores are weakly ordered: fence them before anything tells a peer "done".
-    _mm_sfence();
-    return;
-  }
-#endif
-  if (bytes) std::memcpy(dst, src, bytes);
-}
-
 template <class C>
 void encode_now(C& c, const float* x, std::size_t n, std::byte* wire, float* residual) {
   if constexpr (codec::feedback_codec<C>) {
@@ -189,7 +133,9 @@ struct host {
   void decode_add(const C& c, const std::byte* wire, std::size_t n, float* acc) const {
     c.decode_add(wire, n, acc);
   }
-  void copy(void* dst, const void* src, std::size_t bytes) const { detail::copy_bytes(dst, src, bytes); }
+  void copy(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
   void divide(float* x, std::size_t n, float by) const {
     for (std::size_t i = 0; i < n; ++i) detail::divide_by{x, by}(i);
   }
