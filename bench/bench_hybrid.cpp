@@ -26,9 +26,10 @@
 // stays --predict-gbit's. --burst-bytes / --burst-gbit: the links' token bucket (netlab's tbf:
 // 262144 bytes at 1 Gbit/s; 4.2 Gbit/s is the rate its bytes leave at in docs/scaling.md's fit).
 // --cores-per-rank (default: hardware threads / ranks, as --threads assumes the ranks share this
-// machine): below the product threads + 1, a collective's CPU part delays the products it runs
-// beside (sim::host_cores). --comm-only: the steps without their products, the collectives
-// alone, to set beside the model's comm column (JSON sim_comm_ms).
+// machine; 0: a core for each lane): below the product threads + 1, a collective's CPU part
+// delays the products it runs beside (sim::host_cores). --comm-only: the steps without their
+// products, the collectives alone, to set beside the model's comm column (JSON sim_comm_ms; the
+// skipped products leave zeros, so a lossy codec encodes zeros, which its measured rates do not).
 #include <lockstep/lockstep.hpp>
 #include <lockstep/sim/hybrid.hpp>
 #include <lockstep/transport/counting.hpp>
@@ -42,6 +43,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -70,7 +72,7 @@ struct options {
   double predict_gbit = 0;  // > 0: also the simulator's step (sim/hybrid.hpp) on links of this rate
   double latency_us = 0, exchange_efficiency = 0.699;  // netlab's fitted link (docs/scaling.md)
   double overhead_us = 0;  // o per message posted and read (sim::link_params::overhead_s)
-  double busy_latency_us = -1;  // --calibrate: α measured while the products run (printed, not modelled)
+  double busy_latency_us = -1;  // --calibrate: α measured while the products run (printed, not modelled; -1: not measured)
   double cores_per_rank = -1;   // sim::host_cores; < 0: hardware threads / ranks (the ranks share this machine)
   bool calibrate = false;  // α and o from calibrate_automatic on this group
   double burst_bytes = 0;  // the links' token bucket (netlab's tbf burst: 262144 at 1 Gbit/s)
@@ -127,7 +129,7 @@ options parse(int argc, char** argv) {
 }
 
 // --comm-only: every product skipped (the step's collectives alone, to set beside the model's).
-bool skip_products = false;
+thread_local bool skip_products = false;  // per rank: in-process ranks are threads
 
 void sgemm(const parallel::gemm_args& a) {
   if (a.m == 0 || a.n == 0 || skip_products) return;
@@ -289,10 +291,15 @@ double measure_busy_latency_us(G& g, const options& o, double latency_us) {
   const double idle = small_all_reduce_s(g, reps);
   step_products products(K, o, round_rows<parallel::gather_all>(K, o.batch));
   std::atomic<bool> stop{false};
+  std::exception_ptr failed;  // a product's error, rethrown once this rank has done its collectives
   const int threads = omp_get_max_threads();
   std::thread worker([&] {
     omp_set_num_threads(threads);
-    while (!stop.load(std::memory_order_relaxed)) products();
+    try {
+      while (!stop.load(std::memory_order_relaxed)) products();
+    } catch (...) {
+      failed = std::current_exception();
+    }
   });
   double busy = 0;
   try {
@@ -306,6 +313,7 @@ double measure_busy_latency_us(G& g, const options& o, double latency_us) {
   stop = true;
   worker.join();
   barrier(g);
+  if (failed) std::rethrow_exception(failed);
   return std::max(latency_us, latency_us + (busy - idle) / (2.0 * (K - 1)) * 1e6);
 }
 
@@ -511,7 +519,7 @@ void report(const options& o, const std::vector<row>& rows, const std::string& t
                   transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms, r.predicted_ms,
                   static_cast<unsigned long long>(r.sent.bytes), static_cast<unsigned long long>(r.sent.messages),
                   static_cast<unsigned long long>(r.sent.header_bytes), o.predict_gbit, o.latency_us, o.overhead_us,
-                  o.busy_latency_us < 0 ? o.latency_us : o.busy_latency_us, cores_per_rank(o, ranks), r.flops_per_s * 1e-9,
+                  o.busy_latency_us, cores_per_rank(o, ranks), r.flops_per_s * 1e-9,
                   r.sim_compute_ms,
                   r.sim_comm_ms);
     return;

@@ -896,13 +896,16 @@ TEST_CASE("shared cores: overlapped rounds give their CPU part to the products, 
   const auto lossy = sim::model_of(codec::dyntree8{}, some_gamma());
   const double flops = 1e7;  // a round's products (ms) of the order of a round's collective
   const sim::host_cores shared{0.5, 1}, own{2.0, 1};
-  auto check = [&](const sim::step_estimate& free, const sim::step_estimate& contended, bool overlaps) {
+  auto check = [&](const sim::step_estimate& free, const sim::step_estimate& contended, bool many_rounds) {
     CHECK(contended.compute_s == Approx(free.compute_s));
     CHECK(contended.comm_s == Approx(free.comm_s));
     CHECK(contended.step_s >= free.step_s);
     // Each lane's work once, one after the other: the most that sharing can cost.
     CHECK(contended.step_s <= free.compute_s + free.comm_s + 1e-12);
-    if (overlaps) CHECK(contended.step_s > free.step_s * 1.01);
+    // Every step here has a collective beside products: (b) and (c) most of their rounds, (a) its
+    // last reduce round beside dW1, data-parallel its first two all-reduces beside backward.
+    CHECK(contended.step_s > free.step_s);
+    if (many_rounds) CHECK(contended.step_s > free.step_s * 1.01);
   };
   for (const auto* c : {&f32, &lossy}) {
     // (b) and (c) move round r + 1 while round r's product runs: every such round costs the products.

@@ -155,9 +155,11 @@ inline void reduce_phase(timeline& t, const std::vector<double>& work, const std
     t.compute += work[r];
     const double start = std::max(t.comm, t.compute);
     t.comm = start + comm[r].t;
-    // round r moves while the next product (or the overlap work after the last) runs
-    const double next = r + 1 < comm.size() ? work[r + 1] : overlap;
-    t.compute += t.contention(comm[r], start, t.compute + next);
+    // The products do not wait for the rounds: round r moves while every later product and the
+    // overlap work run back to back (rounds never overlap each other, so nothing counts twice).
+    double rest = overlap;
+    for (std::size_t q = r + 1; q < work.size(); ++q) rest += work[q];
+    t.compute += t.contention(comm[r], start, t.compute + rest);
     t.communicating += comm[r].t, t.computing += work[r];
   }
   t.compute += overlap;
@@ -205,7 +207,8 @@ step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec
   t.compute = t.comm = std::max(t.compute, t.comm) + desc;  // fc2's descriptor, after fc1's products
   detail::reduce_phase(t, w2, r_fwd, 0.0);
   t.compute = std::max(t.compute, t.comm) + classifier;
-  t.comm = std::max(t.comm, t.compute) + classifier_ar;  // overlapped with what follows
+  // the worker runs it before fc2's backward rounds, queued behind it; nothing overlaps it but ReLU
+  t.comm = std::max(t.comm, t.compute) + classifier_ar;
   detail::gather_phase(t, g_bwd, w3);
   t.compute += mm(n_k, static_cast<double>(h.H2), Bd);  // dW2 = H_kᵀ dY2
   detail::reduce_phase(t, w4, r_bwd, mm(static_cast<double>(h.F), n_k, Bd));  // overlap: dW1 = Xᵀ dY1_k
@@ -234,8 +237,8 @@ inline step_estimate data_parallel_step(const cluster& cl, const codec_model& gr
   const detail::cost a3 = ar(h.H2 * h.NC), a2 = ar(h.H1 * h.H2), a1 = ar(h.F * h.H1);
   detail::timeline t;
   t.serial = cores.serial();
-  double compute = fwd + b3, comm = compute + a3.t;  // a3 moves while b2 runs
-  compute += b2 + t.contention(a3, compute, compute + b2);
+  double compute = fwd + b3, comm = compute + a3.t;  // a3 moves while b2 and b1 run
+  compute += t.contention(a3, compute, compute + b2 + b1) + b2;
   const double start2 = std::max(comm, compute);  // a2 moves while b1 runs
   comm = start2 + a2.t;
   compute += b1 + t.contention(a2, start2, compute + b1);
@@ -264,10 +267,10 @@ struct model_estimate {
 
 template <parallel::scheme S>
 model_estimate hybrid_model_step(const cluster& cl, const codec_model& act, const codec_model& grads, const cnn_step& m,
-                                 double flops_per_s) {
+                                 double flops_per_s, const host_cores& cores = {}) {
   const int K = m.head.ranks;
   model_estimate e;
-  e.head_s = hybrid_step<S>(cl, act, grads, m.head, flops_per_s).step_s;
+  e.head_s = hybrid_step<S>(cl, act, grads, m.head, flops_per_s, cores).step_s;
   e.conv_allreduce_s = detail::collective_s(
       cl, grads, K, m.conv_params, [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
   e.step_s = m.conv_s + e.head_s + e.conv_allreduce_s;
@@ -276,10 +279,10 @@ model_estimate hybrid_model_step(const cluster& cl, const codec_model& act, cons
 }
 
 inline model_estimate data_parallel_model_step(const cluster& cl, const codec_model& grads, const cnn_step& m,
-                                               double flops_per_s) {
+                                               double flops_per_s, const host_cores& cores = {}) {
   const int K = m.head.ranks;
   model_estimate e;
-  e.head_s = data_parallel_step(cl, grads, m.head, flops_per_s).step_s;
+  e.head_s = data_parallel_step(cl, grads, m.head, flops_per_s, cores).step_s;
   e.conv_allreduce_s = detail::collective_s(
       cl, grads, K, m.conv_params, [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
   e.step_s = m.conv_s + e.head_s + e.conv_allreduce_s;
