@@ -113,14 +113,15 @@ inline double round_time_s(const cluster& cl, const codec_model& c, int K, const
   return collective_s(cl, c, K, n, [&](int q) { return ring.reduce_scatter(q, K); }, false, off);
 }
 
+// The CPU part is simulated only where the lanes share cores (with_cpu): it costs a second run.
 inline cost round_cost(const cluster& cl, const codec_model& c, int K, const parallel::round_blocks& r, std::size_t width,
-                       bool gather) {
-  return {round_time_s(cl, c, K, r, width, gather), round_time_s(without_wire(cl), c, K, r, width, gather)};
+                       bool gather, bool with_cpu) {
+  return {round_time_s(cl, c, K, r, width, gather), with_cpu ? round_time_s(without_wire(cl), c, K, r, width, gather) : 0.0};
 }
 
 inline cost collective_cost(const cluster& cl, const codec_model& c, int K, std::size_t n,
-                            const std::function<topology::schedule(int)>& sched, bool finalize) {
-  return {collective_s(cl, c, K, n, sched, finalize), collective_s(without_wire(cl), c, K, n, sched, finalize)};
+                            const std::function<topology::schedule(int)>& sched, bool finalize, bool with_cpu) {
+  return {collective_s(cl, c, K, n, sched, finalize), with_cpu ? collective_s(without_wire(cl), c, K, n, sched, finalize) : 0.0};
 }
 
 struct timeline {
@@ -179,20 +180,21 @@ step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec
   const std::size_t B = h.rows * static_cast<std::size_t>(K);
   const double n_k = static_cast<double>(h.H1) / K;  // columns of fc1, input rows of fc2, per rank
   auto mm = [&](double m, double n, double k) { return 2.0 * m * n * k / flops_per_s; };
+  const bool with_cpu = cores.serial() > 0;
   std::vector<detail::cost> g_fwd, r_fwd, g_bwd, r_bwd;
   std::vector<double> w1, w2, w3, w4;
   for (const auto& r : rounds) {
     std::size_t m = 0;
     for (const auto& b : r) m += b.size();
     const double md = static_cast<double>(m);
-    g_fwd.push_back(detail::round_cost(cl, act, K, r, h.F, true));    // X rows
+    g_fwd.push_back(detail::round_cost(cl, act, K, r, h.F, true, with_cpu));    // X rows
     w1.push_back(mm(md, n_k, static_cast<double>(h.F)));            // Y_k = X W_k
     w2.push_back(mm(md, static_cast<double>(h.H2), n_k));           // partial Y2 = H_k W2_k
-    r_fwd.push_back(detail::round_cost(cl, act, K, r, h.H2, false));   // Y2 to its rows' owners
-    g_bwd.push_back(detail::round_cost(cl, act, K, r, h.H2, true));    // dY2 rows
+    r_fwd.push_back(detail::round_cost(cl, act, K, r, h.H2, false, with_cpu));   // Y2 to its rows' owners
+    g_bwd.push_back(detail::round_cost(cl, act, K, r, h.H2, true, with_cpu));    // dY2 rows
     w3.push_back(mm(md, n_k, static_cast<double>(h.H2)));           // dH_k = dY2 W2_kᵀ
     w4.push_back(mm(md, static_cast<double>(h.F), n_k));           // dX partial = dY1_k W_kᵀ
-    r_bwd.push_back(detail::round_cost(cl, act, K, r, h.F, false));    // dX to its rows' owners
+    r_bwd.push_back(detail::round_cost(cl, act, K, r, h.F, false, with_cpu));    // dX to its rows' owners
   }
   const double Bd = static_cast<double>(B), rows_d = static_cast<double>(h.rows);
   const double desc = detail::collective_s(cl, fp32, K, 10u * static_cast<std::size_t>(K),
@@ -228,7 +230,8 @@ inline step_estimate data_parallel_step(const cluster& cl, const codec_model& gr
   auto mm = [&](double a, double b, double c) { return 2.0 * a * b * c / flops_per_s; };
   auto ar = [&](std::size_t n) {
     return detail::collective_cost(cl, grads, K, n,
-                                   [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
+                                   [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true,
+                                   cores.serial() > 0);
   };
   const double F = static_cast<double>(h.F), H1 = static_cast<double>(h.H1), H2 = static_cast<double>(h.H2),
                NC = static_cast<double>(h.NC);
