@@ -26,9 +26,14 @@ TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks", "[collective]", codec::
   for (int n = 1; n <= max_ranks(); ++n) every_op<on_host, TestType>(n);
 }
 
-TEST_CASE("4 Mi elements: fp32 exact and dyntree8 bounded, ring and torus", "[collective][large]") {
+TEST_CASE("4 Mi elements: fp32 exact and dyntree8 bounded, ring, torus, direct and halving-doubling", "[collective][large]") {
+  // Chunks of whole 1 MiB segments: the all-gather's final copies go by streaming stores
+  // (space::copy_final) on every step of direct's and on a ring's last.
   const std::size_t big = small_matrix() ? std::size_t{64} << 10 : std::size_t{4} << 20;
   all_reduce_case<on_host, topology::ring, codec::fp32>({}, 4, big + 3, reduce_op::sum);
+  all_reduce_case<on_host, topology::direct, codec::fp32>({}, 4, big + 5, reduce_op::average);
+  all_reduce_case<on_host, topology::halving_doubling, codec::fp32>({}, 5, big + 1, reduce_op::sum);
+  all_reduce_case<on_stream, topology::direct, codec::fp32>({}, 3, big, reduce_op::sum);
   all_reduce_case<on_host, topology::torus2d, codec::fp32>({}, 6, big, reduce_op::sum);
   all_reduce_case<on_host, topology::torus2d, codec::dyntree8>({}, 4, big, reduce_op::average);
   all_reduce_case<on_host, topology::ring, codec::bf16>({}, 3, big, reduce_op::sum);

@@ -72,3 +72,33 @@ TEST_CASE("space::deferred does nothing at call time; copies and memory follow t
   CHECK(b[0] == 0.25f);
   CHECK(b[999] == 0.25f);
 }
+
+TEST_CASE("space::copy_final: the same bytes by streaming stores, at every alignment and length", "[space][copy]") {
+  // Around the streaming threshold, with the head before the first aligned line and the tail
+  // after the last full block at every offset; guard bytes either side must stay as they were.
+  // space::deferred queues the same copy: its bytes too, once its stream has run.
+  const std::size_t t = space::detail::streaming_copy_bytes;
+  std::mt19937 rng(7);
+  host_stream stream;
+  const space::host host;
+  const space::deferred def(&stream);
+  for (const std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{63}, t - 1, t, t + 1, t + 63, t + 127,
+                                  t + 129, 3 * t + 77}) {
+    for (const std::size_t src_off : {std::size_t{0}, std::size_t{1}, std::size_t{17}}) {
+      for (const std::size_t dst_off : {std::size_t{0}, std::size_t{3}, std::size_t{32}, std::size_t{63}}) {
+        std::vector<std::uint8_t> src(bytes + 128), dst(bytes + 256, 0xA5), dst_def(dst);
+        for (auto& b : src) b = static_cast<std::uint8_t>(rng());
+        space::copy_final(host, dst.data() + 64 + dst_off, src.data() + src_off, bytes);
+        space::copy_final(def, dst_def.data() + 64 + dst_off, src.data() + src_off, bytes);
+        stream.synchronize(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+        INFO("bytes " << bytes << ", src offset " << src_off << ", dst offset " << dst_off);
+        CHECK(std::memcmp(dst.data() + 64 + dst_off, src.data() + src_off, bytes) == 0);
+        CHECK(dst_def == dst);
+        bool guards = true;
+        for (std::size_t i = 0; i < 64 + dst_off; ++i) guards &= dst[i] == 0xA5;
+        for (std::size_t i = 64 + dst_off + bytes; i < dst.size(); ++i) guards &= dst[i] == 0xA5;
+        CHECK(guards);
+      }
+    }
+  }
+}
