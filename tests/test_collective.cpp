@@ -27,10 +27,13 @@ TEMPLATE_TEST_CASE("every op x topology for 1..9 ranks", "[collective]", codec::
 }
 
 TEST_CASE("4 Mi elements: fp32 exact and dyntree8 bounded, ring, torus, direct and halving-doubling", "[collective][large]") {
-  // Chunks of whole 1 MiB segments: the all-gather's final copies go by streaming stores
-  // (space::copy_final) on every step of direct's and on a ring's last.
+  // Chunks of whole 1 MiB segments (inproc's): the all-gather's final copies go by streaming
+  // stores (space::copy_final) on every step of direct's, on halving-doubling's last doubling and
+  // on a 3-rank ring's last step (half its copies); a 4-rank ring's last step alone does not.
+  static_assert(space::detail::streaming_copy_bytes <= transport::inproc::segment_bytes);
   const std::size_t big = small_matrix() ? std::size_t{64} << 10 : std::size_t{4} << 20;
   all_reduce_case<on_host, topology::ring, codec::fp32>({}, 4, big + 3, reduce_op::sum);
+  all_reduce_case<on_host, topology::ring, codec::fp32>({}, 3, big + 2, reduce_op::sum);
   all_reduce_case<on_host, topology::direct, codec::fp32>({}, 4, big + 5, reduce_op::average);
   all_reduce_case<on_host, topology::halving_doubling, codec::fp32>({}, 5, big + 1, reduce_op::sum);
   all_reduce_case<on_stream, topology::direct, codec::fp32>({}, 3, big, reduce_op::sum);

@@ -281,9 +281,10 @@ class schedule_run {
   // around the cache (space::copy_final). Values a later step forwards must stay in cache, as must
   // values an epilogue reads at once, and a lossy codec's wire bytes, which are decoded at once.
   // Only where such copies are at least half of what the rank receives in copy steps: at 4 ranks
-  // on machine C (inproc, docs/benchmarks.md) direct gained 16-20% and halving-doubling 4-14% at
+  // on machine C (inproc, docs/benchmarks.md) direct gained 15-20% and halving-doubling 9-17% at
   // 4-64 MiB, but a ring, whose last step alone is final (a third of its copies), lost 4-8% at 4
   // and 16 MiB, where the next call's reads find in memory what would still have been in cache.
+  // Rings of 2 and 3 ranks (all and half their copies final) gained 3-15%.
   void mark_final_copies() {
     final_copy_.clear();
     if constexpr (identity && is_no_epilogue<std::remove_cv_t<Epilogue>>) {
