@@ -178,6 +178,10 @@ class schedule_run {
   static constexpr bool exchanges_headers = !space_type::ordered;
   // fp32's first-step sends wait for the headers and the receives too (see above).
   static constexpr bool receives_first = requires { requires T::sends_wait_for_receives; };
+  // Whether the space writes final copies its own way (space::host: streaming stores); where it
+  // has no copy_final (CUDA) the executor does not look for them.
+  static constexpr bool streams_final_copies =
+      requires(space_type& sp, void* d, const void* src, std::size_t b) { sp.copy_final(d, src, b); };
 
   // A piece of a chunk that travels as one message.
   struct segment {
@@ -287,7 +291,7 @@ class schedule_run {
   // Rings of 2 and 3 ranks (all and half their copies final) gained 3-15%.
   void mark_final_copies() {
     final_copy_.clear();
-    if constexpr (identity && is_no_epilogue<std::remove_cv_t<Epilogue>>) {
+    if constexpr (streams_final_copies && identity && is_no_epilogue<std::remove_cv_t<Epilogue>>) {
       final_copy_.assign(s_.steps.size(), false);
       std::vector<bool> sent_later(s_.chunks, false);
       std::size_t copied = 0, final_copied = 0;  // elements
@@ -471,28 +475,11 @@ class schedule_run {
 
   // ---- a fan-in: many peers' copies of one span, added in one pass ------------------------------
 
-  // The end of the run of steps from si that fan in; si + 1 where none does (every topology but
-  // topology::direct). A run: reduce-scatter steps that each receive the same span from another
-  // peer and send only chunks outside it, so that nothing they send depends on what they receive.
-  // Host groups only: a stream adds on the device, one message after the other.
+  // The end of the fan-in that starts at step si (pipeline::fan_in_end); si + 1 on a stream,
+  // which adds on the device, one message after the other.
   std::size_t fan_in_end(std::size_t si) const {
-    if constexpr (space_type::ordered) {
-      return si + 1;
-    } else {
-      const topology::step& head = s_.steps[si];
-      auto fans = [&](const topology::step& st) {
-        return st.phase == topology::phase::reduce_scatter && st.act == topology::action::reduce && st.send_peer >= 0 &&
-               st.recv_peer >= 0 && !topology::is_exchange(st) && st.recv == head.recv && !st.send.overlaps(head.recv);
-      };
-      if (!fans(head)) return si + 1;
-      std::size_t end = si + 1;
-      auto new_peer = [&](int p) {
-        return std::none_of(s_.steps.begin() + static_cast<std::ptrdiff_t>(si), s_.steps.begin() + static_cast<std::ptrdiff_t>(end),
-                            [&](const topology::step& st) { return st.recv_peer == p; });
-      };
-      while (end < s_.steps.size() && end - si < fan_max && fans(s_.steps[end]) && new_peer(s_.steps[end].recv_peer)) ++end;
-      return end;
-    }
+    if constexpr (space_type::ordered) return si + 1;
+    else return pipeline::fan_in_end(s_, si);
   }
 
   // Steps [first, last) as one: every receive posted, every send posted at once (encoded from
@@ -666,11 +653,6 @@ class schedule_run {
   std::vector<bool> final_copy_;   // (step) received values this rank never sends on; empty: none
   std::size_t fan_off_ = 0;        // where a fan-in's second and later peers land
   static constexpr std::size_t fan_tile = 4096;
-  // Peers read together in one fan-in; a longer run is cut into fans of this many, back to back
-  // (the same additions in the same order: the same bits). It bounds what one fan holds: the
-  // nested reads (read_fan_in recurses once per peer), the landing area over a copying transport
-  // ((fan_max - 1) spans, not N - 2) and fan_in_end's scan of the run.
-  static constexpr std::size_t fan_max = 16;
 
   // Header exchange. `mine_` outlives the requests that send it: a request that has not completed
   // when the call fails withdraws its message or waits for the peer reading it, and only then is
