@@ -299,6 +299,8 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
       if (autom->segment_choices.empty()) std::printf("none");
       for (std::size_t i = 0; i < autom->segment_choices.size(); ++i)
         std::printf("%s%zu", i ? "," : "", autom->segment_choices[i]);
+      for (std::size_t i = 0; i < autom->direct_sizes.size(); ++i)
+        std::printf("%s%zu", i ? "," : " --direct-sizes ", autom->direct_sizes[i]);
       for (const auto& [name, r] : autom->rates)
         std::printf(" --gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
       if (autom->cache_bytes) {

@@ -57,6 +57,7 @@ struct options {
   double compute_s = 0.1, params = 60e6, overlap = 0;
   double min_compare_bytes = 4.0 * 1024 * 1024;
   std::optional<std::vector<std::size_t>> segment_choices;  // --segment-choices; else automatic's own
+  std::vector<std::size_t> direct_sizes;  // --direct-sizes (automatic::direct_sizes)
   // --explain's cache tier (topology::automatic::cache_bytes): --cache-bytes, --cache-latency-us,
   // --cache-gbit, --cache-gamma-ns
   std::size_t cache_bytes = 0;
@@ -67,8 +68,9 @@ struct options {
 void usage() {
   std::puts(
       "usage: lockstep-sim [options]\n"
-      "  --topology LIST      ring,torus2d,halving_doubling,recursive_doubling (closed forms of the\n"
-      "                       last two for powers of two; otherwise their column repeats the simulation)\n"
+      "  --topology LIST      ring,torus2d,halving_doubling,recursive_doubling,direct (closed forms of\n"
+      "                       the doublings for powers of two; otherwise, and for direct, whose\n"
+      "                       fan-in has none, the closed column repeats the simulation)\n"
       "  --codec LIST         fp32,bf16,int8,dyntree8; NAME+ef: under error feedback\n"
       "  --ranks LIST         group sizes, e.g. 16,64,256,1024,4096\n"
       "  --bytes LIST         fp32 payload per rank, e.g. 1M,64M\n"
@@ -102,6 +104,8 @@ void usage() {
       "                       --exchange-efficiency and --segment-bytes as the group's segment)\n"
       "  --segment-choices L  --explain: the segment sizes tried besides the group's (default\n"
       "                       256K,4M; none: only the group's), as the calibration leaves them\n"
+      "  --direct-sizes L     --explain: direct is a candidate within a factor of two of these sizes\n"
+      "                       (default none), as the calibration measured it faster than the ring\n"
       "  --gamma-ns C:E,D,A   codec C's encode, decode, decode-add ns/value (as lockstep-bench-allreduce\n"
       "                       prints its calibration); repeatable\n"
       "  --cache-bytes B      --explain: calls of at most B bytes per rank are predicted on the cache\n"
@@ -160,6 +164,9 @@ options parse(int argc, char** argv) {
       if (v != "none")
         for (auto& x : lockstep::bench::split_list(v)) o.segment_choices->push_back(static_cast<std::size_t>(parse_size(x)));
     }
+    else if (a == "--direct-sizes") {
+      for (auto& x : lockstep::bench::split_list(next())) o.direct_sizes.push_back(static_cast<std::size_t>(parse_size(x)));
+    }
     else if (a == "--gamma-ns" || a == "--cache-gamma-ns") {
       const std::string v = next();
       const auto colon = v.find(':');
@@ -217,8 +224,12 @@ prediction predict(const std::string& topo, const sim::codec_model& c, int size,
     auto r = hd ? s.all_reduce(topology::halving_doubling{}, size, n) : s.all_reduce(topology::recursive_doubling{}, size, n);
     p.sim_s = r.time_s, p.messages = r.messages;
     if (!pow2) p.closed_s = r.time_s;
+  } else if (topo == "direct") {
+    sim::simulator s(cl, c);
+    auto r = s.all_reduce(topology::direct{}, size, n);
+    p.sim_s = p.closed_s = r.time_s, p.messages = r.messages;
   } else {
-    throw std::invalid_argument("unknown topology '" + topo + "' (ring, torus2d, halving_doubling, recursive_doubling)");
+    throw std::invalid_argument("unknown topology '" + topo + "' (ring, torus2d, halving_doubling, recursive_doubling, direct)");
   }
   return p;
 }
@@ -366,6 +377,7 @@ int run_explain(const options& o) {
   topology::automatic a;
   a.link = o.cl.nic;
   if (o.segment_choices) a.segment_choices = *o.segment_choices;
+  a.direct_sizes = o.direct_sizes;
   a.cache_bytes = o.cache_bytes;
   a.cache_link = o.cl.nic;
   a.cache_link.overhead_s = 0;

@@ -184,8 +184,9 @@ inline double simulate(const measured_run& m, const cluster& cl) {
   if (m.topology == "torus2d") return s.all_reduce(topology::torus2d{}, m.ranks, n).time_s;
   if (m.topology == "halving_doubling") return s.all_reduce(topology::halving_doubling{}, m.ranks, n).time_s;
   if (m.topology == "recursive_doubling") return s.all_reduce(topology::recursive_doubling{}, m.ranks, n).time_s;
+  if (m.topology == "direct") return s.all_reduce(topology::direct{}, m.ranks, n).time_s;
   throw error(errc::invalid_argument, "bench::simulate", -1, -1,
-              "no schedule for topology '" + m.topology + "' (ring, torus2d, halving_doubling, recursive_doubling)");
+              "no schedule for topology '" + m.topology + "' (ring, torus2d, halving_doubling, recursive_doubling, direct)");
 }
 
 // The measurement a JSON line describes, with its codec model from `models` (by name), burst_bytes

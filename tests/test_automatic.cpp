@@ -72,7 +72,7 @@ TEST_CASE("automatic picks the simulator's fastest candidate, the earlier one on
     for (std::size_t count : {std::size_t{1024}, std::size_t{1} << 16, std::size_t{1} << 22}) {
       CAPTURE(n, count);
       const auto all = a.explain(operation::all_reduce, n, count, c, std::size_t{1} << 20);
-      REQUIRE(all.size() == 12);  // 4 topologies x (the group's segment, 256 KiB, 4 MiB)
+      REQUIRE(all.size() == 12);  // 4 topologies x (the group's segment, 256 KiB, 4 MiB); no direct_sizes
       const choice pick = a.choose(operation::all_reduce, n, count, c, std::size_t{1} << 20);
       // The fastest at the group's segment (the earlier on a tie), unless another segment size
       // is faster by more than the margin.
@@ -110,6 +110,10 @@ TEST_CASE("LOCKSTEP_TOPOLOGY forces a topology, and a bad value is an error nami
     CHECK(a.choose(operation::all_reduce, 8, 1024, c, 1 << 20).kind == choice::halving_doubling);
   }
   {
+    forced_topology f("direct");
+    CHECK(a.choose(operation::all_reduce, 8, 1024, c, 1 << 20).kind == choice::direct);
+  }
+  {
     forced_topology f("hypercube");
     CHECK_THROWS_WITH(a.choose(operation::all_reduce, 8, 1024, c, 1 << 20), Catch::Contains("LOCKSTEP_TOPOLOGY=hypercube"));
   }
@@ -120,6 +124,14 @@ TEMPLATE_TEST_CASE("every op through automatic gives the bits of the topology it
                    codec::int8, codec::dyntree8) {
   for (int n : {1, 2, 3, 4, 5})
     for (std::size_t count : {std::size_t{0}, std::size_t{7}, std::size_t{3001}, std::size_t{1} << 19})
+      for (operation op : {operation::all_reduce, operation::reduce_scatter, operation::all_gather, operation::broadcast}) {
+        CAPTURE(n, count, static_cast<int>(op));
+        same_as_choice<TestType>(n, count, op);
+      }
+  // direct, which automatic takes only where calibration measured it faster: forced here.
+  forced_topology f("direct");
+  for (int n : {3, 4})
+    for (std::size_t count : {std::size_t{7}, std::size_t{3001}})
       for (operation op : {operation::all_reduce, operation::reduce_scatter, operation::all_gather, operation::broadcast}) {
         CAPTURE(n, count, static_cast<int>(op));
         same_as_choice<TestType>(n, count, op);
@@ -214,6 +226,7 @@ std::vector<detail::calibration_case> simulated_cases(int size, const sim::link_
       case K::ring_quarter: k.seconds = quarter_factor * s.all_reduce(topology::ring{}, size, n).time_s; break;
       case K::recursive_doubling: k.seconds = s.all_reduce(topology::recursive_doubling{}, size, n).time_s; break;
       case K::halving_doubling: k.seconds = s.all_reduce(topology::halving_doubling{}, size, n).time_s; break;
+      case K::direct: k.seconds = s.all_reduce(topology::direct{}, size, n).time_s; break;
     }
   }
   return cases;
@@ -226,6 +239,55 @@ bool has_finer(const automatic& a, std::size_t segment) {
 }
 
 }  // namespace
+
+TEST_CASE("direct is a candidate within a factor of two of a size where it measured faster than the ring",
+          "[automatic][direct]") {
+  using K = detail::calibration_case;
+  const std::size_t seg = std::size_t{1} << 20, mib = std::size_t{1} << 20;
+  // Timed at 1 and 4 MiB from 3 ranks on; at 2 ranks direct is the ring's exchange.
+  for (int size : {2, 3, 4, 8}) {
+    int directs = 0;
+    for (const K& k : detail::calibration_cases(size)) directs += k.kind == K::direct && (k.bytes == mib || k.bytes == 4 * mib);
+    CHECK(directs == (size > 2 ? 2 : 0));
+  }
+  const sim::link_params link{10e-6, 5e9, 0.8};
+  // direct's times as a fraction of the ring's at 1 and 4 MiB -> the sizes automatic offers it at
+  auto fit = [&](double at1, double at4) {
+    auto cases = simulated_cases(4, link, seg);
+    auto ring = [&](std::size_t b) {
+      for (const K& k : cases)
+        if (k.kind == K::ring && k.bytes == b) return k.seconds;
+      FAIL("no ring case at " << b);
+      return 0.0;
+    };
+    for (K& k : cases)
+      if (k.kind == K::direct) k.seconds = (k.bytes == mib ? at1 : at4) * ring(k.bytes);
+    return detail::fit_calibration(with_rates(), 4, seg, cases);
+  };
+  CHECK(fit(1.1, 1.1).direct_sizes.empty());
+  CHECK(fit(0.9, 0.9).direct_sizes == std::vector<std::size_t>{mib, 4 * mib});
+  const automatic a = fit(1.1, 0.9);
+  REQUIRE(a.direct_sizes == std::vector<std::size_t>{4 * mib});
+  codec::fp32 c;
+  auto offered = [&](std::size_t bytes, bool stream = false) {
+    for (const choice& x : a.explain(operation::all_reduce, 4, bytes / sizeof(float), c, seg, stream))
+      if (x.kind == choice::direct) return true;
+    return false;
+  };
+  CHECK_FALSE(offered(mib));
+  CHECK_FALSE(offered(2 * mib - 4));
+  CHECK(offered(2 * mib));
+  CHECK(offered(4 * mib));
+  CHECK(offered(8 * mib));
+  CHECK_FALSE(offered(8 * mib + 4));
+  CHECK_FALSE(offered(4 * mib, true));  // a stream's reduce-scatter is no fan-in
+  // Where offered, the choice is still the model's fastest; forced, it runs anywhere.
+  const choice pick = a.choose(operation::all_reduce, 4, mib, c, seg);
+  const auto all = a.explain(operation::all_reduce, 4, mib, c, seg);
+  CHECK(pick.predicted_s == all[automatic::pick(all, a.segment_margin)].predicted_s);
+  forced_topology f("direct");
+  CHECK(a.choose(operation::all_reduce, 4, 16, c, seg).kind == choice::direct);
+}
 
 TEST_CASE("the calibration's fit recovers the link that produced its times", "[automatic]") {
   const std::size_t seg = std::size_t{1} << 20;

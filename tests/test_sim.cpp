@@ -774,18 +774,91 @@ TEST_CASE("halving_doubling's and recursive_doubling's schedules simulate to the
 // The simulator walks steps and has no term for the fan-in's saved memory traffic: on the wire
 // direct is a ring with other peers (one message in and one out per rank and step), so it must
 // simulate to the ring's time.
-TEST_CASE("direct simulates as a ring for N = 1..32", "[sim][direct]") {
+TEST_CASE("pipeline::fan_in_end finds direct's fan-ins, fan_max steps at most, and nothing else", "[sim][direct]") {
+  for (int size : {1, 2, 3, 4, 17, 20, 40}) {
+    CAPTURE(size);
+    for (int rank : {0, size / 2, size - 1}) {
+      const topology::schedule d = topology::all_reduce_schedule(topology::direct{}, rank, size);
+      // The reduce-scatter's size - 1 steps (2 ranks: one exchange, no fan) in fans of fan_max.
+      std::size_t si = 0;
+      for (std::size_t left = size > 2 ? static_cast<std::size_t>(size - 1) : 0; left > 0;) {
+        const std::size_t m = std::min(left, pipeline::fan_max);
+        CHECK(pipeline::fan_in_end(d, si) == si + m);
+        si += m, left -= m;
+      }
+      for (; si < d.steps.size(); ++si) CHECK(pipeline::fan_in_end(d, si) == si + 1);
+      for (const auto& topo : {topology::all_reduce_schedule(topology::ring{}, rank, size),
+                               topology::all_reduce_schedule(topology::halving_doubling{}, rank, size)})
+        for (std::size_t i = 0; i < topo.steps.size(); ++i) CHECK(pipeline::fan_in_end(topo, i) == i + 1);
+    }
+  }
+}
+
+TEST_CASE("direct's fan-in: sends at once, one pass of (m + 2) / 3 decode-adds for fp32, m for a lossy codec",
+          "[sim][direct]") {
+  // Links that cost nothing: what is left is the reduction (the reduce-scatter alone, as
+  // reduce_scatter calls it).
+  sim::cluster cl;
+  cl.nic = {0.0, 1e18};
+  cl.local = cl.nic;
+  cl.segment_bytes = 64 * 1024;
+  cl.segments_ahead = sim::cluster::as_executor;
+  const double gamma = 1e-9;
+  for (const char* name : {"fp32", "int8"}) {
+    sim::codec_model c = bench::codec_by_name(name);
+    c.rates = {0, 0, gamma};
+    for (int size : {3, 4, 17, 20}) {
+      CAPTURE(name, size);
+      const std::size_t n = static_cast<std::size_t>(size) * 65536;  // a chunk is 4 segments
+      sim::simulator s(cl, c);
+      const double t = s.run(size, n, [&](int r) { return topology::direct{}.reduce_scatter(r, size); }, false).time_s;
+      double passes = 0;  // decode-adds per value of the chunk
+      for (std::size_t left = static_cast<std::size_t>(size - 1); left > 0;) {
+        const double m = static_cast<double>(std::min(left, pipeline::fan_max));
+        passes += c.identity ? (m + 2) / 3 : m;
+        left -= static_cast<std::size_t>(m);
+      }
+      CHECK(t == Approx(65536 * gamma * passes).epsilon(1e-6));  // the links: 1e-13 s a message
+      // The ring adds each copy in a pass of its own.
+      const double ring = s.run(size, n, [&](int r) { return topology::ring{}.reduce_scatter(r, size); }, false).time_s;
+      CHECK(ring == Approx(65536 * gamma * (size - 1)).epsilon(1e-6));
+    }
+  }
+}
+
+TEST_CASE("direct simulates no slower than a ring on the NIC, every rank run, for N = 1..32", "[sim][direct]") {
   sim::cluster cl = gigabit();
   cl.segments_ahead = sim::cluster::as_executor;
-  const sim::codec_model c = bench::codec_by_name("dyntree8");
-  for (int size = 1; size <= 32; ++size) {
-    CAPTURE(size);
-    sim::simulator s(cl, c);
-    for (std::size_t n : {std::size_t{1024}, std::size_t{1} << 22}) {
-      CAPTURE(n);
+  for (const char* name : {"fp32", "dyntree8"}) {
+    sim::codec_model c = bench::codec_by_name(name);
+    c.rates = some_gamma();
+    for (int size = 1; size <= 32; ++size) {
+      CAPTURE(name, size);
+      sim::simulator s(cl, c);
+      for (std::size_t n : {std::size_t{1024}, std::size_t{1} << 22}) {
+        CAPTURE(n);
+        const double d = s.all_reduce(topology::direct{}, size, n).time_s;
+        CHECK(s.last_was_symmetric() == (size <= 2));  // a fan-in is not walked by the shortcut
+        const double ring = s.all_reduce(topology::ring{}, size, n).time_s;
+        CHECK(d <= ring * 1.001);
+        // The same bytes on the same links: what it saves is waiting, never more than the ring's
+        // latencies and codec work.
+        if (size > 2 && n > 1024) CHECK(d >= ring * 0.7);
+      }
+    }
+  }
+  SECTION("flows to many peers share the egress: bandwidth-bound, direct takes the ring's time") {
+    sim::cluster nic;
+    nic.nic = {0.0, 1e9};
+    nic.segments_ahead = sim::cluster::as_executor;
+    const sim::codec_model f = bench::codec_by_name("fp32");
+    for (int size : {3, 4, 8}) {
+      CAPTURE(size);
+      sim::simulator s(nic, f);
+      const std::size_t n = std::size_t{1} << 24;  // 64 MiB
       const double d = s.all_reduce(topology::direct{}, size, n).time_s;
-      const double ring = s.all_reduce(topology::ring{}, size, n).time_s;
-      CHECK(d == Approx(ring).epsilon(0.01));
+      const double wire = 2.0 * (size - 1) / size * 4.0 * static_cast<double>(n) / 1e9;
+      CHECK(d == Approx(wire).epsilon(0.01));
     }
   }
 }

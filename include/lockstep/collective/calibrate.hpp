@@ -15,6 +15,8 @@
 //   * the same ring and recursive doubling cases up to 64 KiB, on their own, with gamma measured
 //     in cache: automatic's cache tier (automatic::cache_bytes), the link small calls meet; and
 //     both at 256 KiB, which of the two tiers predicts better: where the tier ends;
+//   * direct at 1 MiB and 4 MiB (3 ranks and more) against the ring's times there: where it
+//     measured faster, automatic offers it (automatic::direct_sizes);
 //   * the ring at 4 MiB in quarter segments against the group's: the overhead o per message, and
 //     whether segments finer than the group's pay at all. Where quartering did not measure faster
 //     by automatic's segment_margin, automatic keeps no finer segment size among its candidates:
@@ -48,7 +50,7 @@ namespace detail {
 
 // One timed case of the calibration.
 struct calibration_case {
-  enum kind_t : int { ring, recursive_doubling, ring_quarter, halving_doubling } kind = ring;
+  enum kind_t : int { ring, recursive_doubling, ring_quarter, halving_doubling, direct } kind = ring;
   std::size_t bytes = 0;
   double seconds = 0;  // the group's mean of every rank's median
 };
@@ -72,6 +74,9 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   // At 2 ranks every step of every candidate is an exchange: eta is then not told apart from beta.
   if (size > 2)
     for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) cases.push_back({K::halving_doubling, b});
+  // direct against the ring at the same sizes; at 2 ranks direct is the ring's one exchange.
+  if (size > 2)
+    for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) cases.push_back({K::direct, b});
   return cases;
 }
 
@@ -195,6 +200,11 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
   // The closed forms fitted below have no o term: what a message costs the core ends up in alpha,
   // so an o the link already had (an earlier calibration's) would count twice.
   a.link.overhead_s = 0;
+  // direct where it measured faster than the ring (automatic::direct_sizes): a measurement, not a
+  // fit, so decided before any fit, which may fail.
+  a.direct_sizes.clear();
+  for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20})
+    if (const double d = time_of(K::direct, b), r = time_of(K::ring, b); d > 0 && r > 0 && d < r) a.direct_sizes.push_back(b);
   // The segment test: the ring at 4 MiB in quarter segments against the group's. It says
   // something only where a ring chunk (4 MiB / size) holds more than one quarter segment (else
   // the two runs are one schedule, from 16 ranks at the default 1 MiB) and the quarter is finer
@@ -343,6 +353,7 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
           case K::ring: all_reduce(g, s, topology::ring{}, c); break;
           case K::recursive_doubling: all_reduce(g, s, topology::recursive_doubling{}, c); break;
           case K::halving_doubling: all_reduce(g, s, topology::halving_doubling{}, c); break;
+          case K::direct: all_reduce(g, s, topology::direct{}, c); break;
           case K::ring_quarter:
             detail::run_call(detail::op_kind::all_reduce, g, s, topology::ring{}, c, reduce_op::sum, -1, ep,
                              detail::chunk_layout{}, detail::quarter_segment(g.segment_bytes()));

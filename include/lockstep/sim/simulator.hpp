@@ -13,6 +13,11 @@
 //     it aside, costed as a decode-add).
 //     Between the phases the owner encodes and decodes its final chunk once. Codec work costs
 //     gamma per element (codec_rates, measured by measure_rates).
+//   * a fan-in (pipeline::fan_in_end: topology::direct's reduce-scatter) runs as the executor
+//     runs it on a host group: every send of its m steps posted at once, then each segment read
+//     from all m peers and added in one pass. fp32 is memory-bound there: a decode-add streams
+//     three buffers (the copy, the sum in and out), the pass m + 2 (m copies, the sum once), so it
+//     costs (m + 2) / 3 decode-adds per value instead of m; a lossy codec decodes every copy, m.
 //   * links: every host has one NIC, an egress and an ingress link (full duplex) of the cluster's
 //     bandwidth; inter-host messages also cross the switch core when it is not non-blocking.
 //     A message occupies every link of its path for bytes / bandwidth, starting when all are free
@@ -127,6 +132,7 @@ struct run {
   bool reduce = false;
   bool reduce_scatter = false;
   bool exchange = false;  // topology::is_exchange
+  std::uint32_t fan = 0;  // steps of the fan-in this run (of one step) starts; 0: none
 };
 
 struct compact_schedule {
@@ -135,6 +141,7 @@ struct compact_schedule {
   std::uint32_t finalize_at = 0;  // the owner's encode + decode runs before this step
   topology::chunk_span owned;
   std::vector<int> recv_peers;  // distinct, for the handshake
+  bool fans = false;            // some steps fan in (each of them a run of its own)
 };
 
 inline compact_schedule compress(const topology::schedule& s) {
@@ -143,13 +150,25 @@ inline compact_schedule compress(const topology::schedule& s) {
   c.chunks = s.chunks;
   c.finalize_at = static_cast<std::uint32_t>(pipeline::finalize_step(s));
   c.owned = s.owned;
-  for (const topology::step& st : s.steps) {
+  // Fan-ins: the head step gets the run's length; its steps stay runs of one step each.
+  std::vector<std::uint32_t> fan(s.steps.size(), 0);
+  for (std::size_t si = 0; si < s.steps.size();) {
+    const std::size_t end = pipeline::fan_in_end(s, si);
+    if (end > si + 1) {
+      for (std::size_t i = si; i < end; ++i) fan[i] = 1;
+      fan[si] = static_cast<std::uint32_t>(end - si);
+      c.fans = true;
+    }
+    si = end;
+  }
+  for (std::size_t si = 0; si < s.steps.size(); ++si) {
+    const topology::step& st = s.steps[si];
     const bool red = st.act == topology::action::reduce, rs = st.phase == topology::phase::reduce_scatter,
                ex = topology::is_exchange(st);
     const std::uint32_t sc = st.send_peer >= 0 ? st.send.count : 0, rc = st.recv_peer >= 0 ? st.recv.count : 0;
     if (st.recv_peer >= 0 && std::find(c.recv_peers.begin(), c.recv_peers.end(), st.recv_peer) == c.recv_peers.end())
       c.recv_peers.push_back(st.recv_peer);
-    if (!c.runs.empty()) {
+    if (!c.runs.empty() && !fan[si] && !c.runs.back().fan) {
       run& r = c.runs.back();
       if (r.send_peer == st.send_peer && r.recv_peer == st.recv_peer && r.reduce == red && r.reduce_scatter == rs &&
           r.exchange == ex && r.send_count == sc && r.recv_count == rc) {
@@ -164,7 +183,7 @@ inline compact_schedule compress(const topology::schedule& s) {
         }
       }
     }
-    c.runs.push_back({st.send_peer, st.recv_peer, st.send.first, sc, st.recv.first, rc, 0, 0, 1, red, rs, ex});
+    c.runs.push_back({st.send_peer, st.recv_peer, st.send.first, sc, st.recv.first, rc, 0, 0, 1, red, rs, ex, fan[si]});
   }
   return c;
 }
@@ -358,6 +377,9 @@ class simulator {
     // rank sends a peer is the k-th that peer receives from it, whatever step each is at (the
     // ranks a fold leaves out run fewer steps than their partners).
     std::vector<std::pair<int, std::uint64_t>> sent_to, got_from;
+    // In a fan-in: its steps, its peers in step order and which of them the current segment waits on.
+    std::uint32_t fan = 0, fan_i = 0;
+    std::vector<int> fan_peers;
   };
   static std::uint64_t& counter(std::vector<std::pair<int, std::uint64_t>>& v, int peer) {
     for (auto& [p, k] : v)
@@ -421,6 +443,8 @@ class simulator {
     seg_ = segment_elems(codec_, cl_.segment_bytes);
     rank_state R;
     R.sched = detail::compress(s0);
+    // A fan-in reads several peers per segment, which this one-rank walk does not follow.
+    if (R.sched.fans) return std::nullopt;
     R.send.n = R.recv.n = n;
     R.send.chunks = R.recv.chunks = R.sched.chunks;
     R.send.seg = R.recv.seg = seg_;
@@ -475,12 +499,13 @@ class simulator {
     return res;
   }
 
-  void post(rank_state& R, std::uint32_t src, std::uint64_t len) {
+  // `paced`: the message waits for its turn on the egress until then (a fan-in's, see start_fan).
+  void post(rank_state& R, std::uint32_t src, std::uint64_t len, double paced = 0) {
     if (R.reduce_scatter && !codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
     if (R.exchange) R.t += static_cast<double>(len) * exchange_copy_s();
     R.t += (same_host(static_cast<int>(src), R.send_peer) ? cl_.local : cl_.nic).overhead_s;
     ++R.sent;
-    heap_.push_back({R.t, seq_++, src, static_cast<std::uint32_t>(R.send_peer), counter(R.sent_to, R.send_peer)++,
+    heap_.push_back({std::max(R.t, paced), seq_++, src, static_cast<std::uint32_t>(R.send_peer), counter(R.sent_to, R.send_peer)++,
                      codec_.message_bytes(len), R.send_peer == R.recv_peer});
     std::push_heap(heap_.begin(), heap_.end(), later);
     ++R.sends_pending;
@@ -488,6 +513,16 @@ class simulator {
   }
 
   void consume(rank_state& R, double when, double overhead) {
+    if (R.fan) {
+      // A fan-in adds segment j once all its peers' copies are in, in one pass (see the top).
+      R.t = std::max(R.t, when) + overhead;
+      if (++R.fan_i < R.fan) return;
+      R.fan_i = 0;
+      const double m = R.fan;
+      R.t += static_cast<double>(R.recv.next()) * codec_.rates.decode_add_s * (codec_.identity ? (m + 2) / 3 : m);
+      ++R.received;
+      return;
+    }
     const std::uint64_t len = R.recv.next();
     R.t = std::max(R.t, when) + overhead;
     if (R.reduce) R.t += static_cast<double>(len) * codec_.rates.decode_add_s;
@@ -529,7 +564,9 @@ class simulator {
         R.sent = R.received = 0;
         R.send_end = 0;
         R.in_step = true;
+        if (ru.fan > 1) start_fan(R, r);
       }
+      if (R.fan) R.recv_peer = R.fan_peers[R.fan_i];
       // Round j: send segment j, then receive segment j (the executor's order).
       while (!R.send.done() || !R.recv.done()) {
         if (!R.send.done() && (lead(R) <= ahead_ || R.recv.done())) post(R, static_cast<std::uint32_t>(r), R.send.next());
@@ -546,6 +583,7 @@ class simulator {
           R.early.pop_back();
           consume(R, when, (same_host(r, R.recv_peer) ? cl_.local : cl_.nic).overhead_s);
           ++counter(R.got_from, R.recv_peer);
+          if (R.fan) R.recv_peer = R.fan_peers[R.fan_i];
         }
       }
       if (R.sends_pending) {
@@ -554,9 +592,49 @@ class simulator {
       }
       R.t = std::max(R.t, R.send_end);
       R.in_step = false;
-      ++R.step;
-      if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
+      for (std::uint32_t i = 0, steps = std::max<std::uint32_t>(R.fan, 1); i < steps; ++i) {
+        ++R.step;
+        if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
+      }
+      R.fan = 0;
     }
+  }
+
+  // The fan-in whose head step rank r is at (its runs are of one step each): every send of its
+  // steps posted at once, then the receives from each step's peer, segment by segment (consume
+  // adds a segment when the last peer's copy is in). Flows to several peers share the egress: the
+  // simulator posts them interleaved (segment j to every peer, then j + 1) and each as ready when
+  // the egress would reach it, because links here are taken first come, first served in order of
+  // posting, and m flows all posted at once by every rank would otherwise hold every ingress for
+  // a whole rank's sends in turn (64 MiB at 4 ranks: twice the ring's time, where a fair share
+  // runs as the ring).
+  void start_fan(rank_state& R, int r) {
+    const detail::run& head = R.sched.runs[R.run];
+    R.fan = head.fan, R.fan_i = 0;
+    R.fan_peers.clear();
+    std::vector<detail::segment_cursor> cur;
+    for (std::uint32_t i = 0; i < R.fan; ++i) {
+      const detail::run& f = R.sched.runs[R.run + i];
+      cur.push_back(R.send);
+      cur.back().reset(f.send_first, f.send_count);
+      R.fan_peers.push_back(f.recv_peer);
+    }
+    double egress = R.t;
+    for (bool more = true; more;) {
+      more = false;
+      for (std::uint32_t i = 0; i < R.fan; ++i) {
+        if (cur[i].done()) continue;
+        const detail::run& f = R.sched.runs[R.run + i];
+        R.send_peer = f.send_peer, R.recv_peer = f.recv_peer;
+        const std::uint64_t len = cur[i].next();
+        post(R, static_cast<std::uint32_t>(r), len, egress);
+        const link_params& l = same_host(r, f.send_peer) ? cl_.local : cl_.nic;
+        egress = std::max(egress, R.t) + static_cast<double>(codec_.message_bytes(len)) / l.bandwidth_Bps;
+        more = more || !cur[i].done();
+      }
+    }
+    R.send = cur.back();
+    R.recv_peer = R.fan_peers[0];
   }
 
   // The message leaves its sender's core: it takes the links of its path, then reaches the peer.

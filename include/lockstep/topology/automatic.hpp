@@ -6,7 +6,8 @@
 // For every call, automatic asks the simulator (sim/simulator.hpp: the discrete-event run of the
 // topologies' own schedules, the executor's segments and send window) how long this operation
 // would take over each candidate — ring, torus2d (most square), halving_doubling,
-// recursive_doubling — and each candidate segment size, on the link it was given (alpha, beta,
+// recursive_doubling, direct (where calibration measured it faster than the ring: direct_sizes) —
+// and each candidate segment size, on the link it was given (alpha, beta,
 // eta; for small buffers, those of its cache tier) and the codec's measured gamma, and runs the
 // fastest; ties go to the earlier candidate in that order, and a segment size other than the
 // group's wins only by segment_margin (10%). NCCL's tuner makes the same choice from tables; this
@@ -19,7 +20,7 @@
 // (a different LOCKSTEP_TOPOLOGY, say) sends a different topology fingerprint or segment size in
 // its header, and the call fails with errc::mismatch naming both.
 //
-// LOCKSTEP_TOPOLOGY=ring|torus2d|halving_doubling|recursive_doubling forces one (with the group's
+// LOCKSTEP_TOPOLOGY=ring|torus2d|halving_doubling|recursive_doubling|direct forces one (with the group's
 // segment size); read on every choice.
 //
 // Choices are cached per (operation, group size, count, codec, segment of the group, stream
@@ -46,6 +47,7 @@
 #include "../sim/fit.hpp"
 #include "../sim/simulator.hpp"
 #include "concept.hpp"
+#include "direct.hpp"
 #include "halving_doubling.hpp"
 #include "recursive_doubling.hpp"
 #include "ring.hpp"
@@ -55,7 +57,9 @@ namespace lockstep::topology {
 
 // One candidate and what the model predicts for it.
 struct choice {
-  enum kind_t : std::uint8_t { ring, torus2d, halving_doubling, recursive_doubling } kind = ring;
+  enum kind_t : std::uint8_t { ring, torus2d, halving_doubling, recursive_doubling, direct } kind = ring;
+  // Every kind, in the order automatic compares them (a tie goes to the earlier).
+  static constexpr kind_t all[] = {ring, torus2d, halving_doubling, recursive_doubling, direct};
   std::size_t segment_bytes = 0;  // the call's segment; 0: the group's own
   double predicted_s = 0;
 
@@ -65,6 +69,7 @@ struct choice {
       case torus2d: return "torus2d";
       case halving_doubling: return "halving_doubling";
       case recursive_doubling: return "recursive_doubling";
+      case direct: return "direct";
     }
     return "?";
   }
@@ -95,6 +100,24 @@ struct automatic {
   std::size_t cache_bytes = 0;
   sim::link_params cache_link{};
   std::map<std::string, sim::codec_rates> cache_rates{};
+  // Sizes (bytes per rank) at which topology::direct measured faster than the ring on this group:
+  // direct is a candidate for calls within a factor of two of one of them, and for no other (by
+  // default none). Its gain on a host is memory traffic, which the model has only in part (the
+  // fan-in's one pass, not the transport's own copies nor the streamed final copies): over the
+  // mpi transport on machine C (4 ranks) direct ran 10..14% faster than the ring at 4 MiB and
+  // 10..15% slower at 1 and 16 MiB, where the simulator predicted it 5..10% faster at all three
+  // (docs/benchmarks.md). calibrate_automatic times both at 1 and 4 MiB; a host group's
+  // reduce-scatter over direct is one fan-in, which a stream's is not, so a stream never takes it.
+  std::vector<std::size_t> direct_sizes{};
+
+  // Whether direct is among a call's candidates (stream_ordered: on a stream).
+  bool offers_direct(std::size_t count, bool stream_ordered) const noexcept {
+    if (stream_ordered) return false;
+    const double bytes = static_cast<double>(count) * sizeof(float);
+    for (std::size_t b : direct_sizes)
+      if (bytes >= 0.5 * static_cast<double>(b) && bytes <= 2.0 * static_cast<double>(b)) return true;
+    return false;
+  }
 
   // Whether a call of `count` values is predicted on the cache tier.
   bool in_cache(std::size_t count) const noexcept { return cache_bytes > 0 && count <= cache_bytes / sizeof(float); }
@@ -113,6 +136,7 @@ struct automatic {
       case choice::torus2d: return f(topology::torus2d{});
       case choice::halving_doubling: return f(topology::halving_doubling{});
       case choice::recursive_doubling: return f(topology::recursive_doubling{});
+      case choice::direct: return f(topology::direct{});
       case choice::ring: break;
     }
     return f(topology::ring{});
@@ -138,7 +162,8 @@ struct automatic {
       for (std::size_t s : segment_choices)
         if (s != group_segment && s > 0) segs.push_back(s);
     std::vector<choice> out;
-    for (auto k : {choice::ring, choice::torus2d, choice::halving_doubling, choice::recursive_doubling})
+    for (auto k : choice::all) {
+      if (k == choice::direct && !offers_direct(count, stream_ordered)) continue;
       for (std::size_t s : segs) {
         sim::cluster cl;
         cl.nic = link_for(count);
@@ -147,6 +172,7 @@ struct automatic {
         const double t = visit(k, [&](const auto& topo) { return predict(cl, model, topo, op, size, count); });
         out.push_back({k, s == group_segment ? 0 : s, t});
       }
+    }
     return out;
   }
 
@@ -214,10 +240,11 @@ struct automatic {
   static std::optional<choice::kind_t> forced(int rank) {
     const char* e = std::getenv("LOCKSTEP_TOPOLOGY");
     if (!e || !*e || std::string(e) == "automatic") return std::nullopt;
-    for (auto k : {choice::ring, choice::torus2d, choice::halving_doubling, choice::recursive_doubling})
+    for (auto k : choice::all)
       if (std::string(e) == choice::name_of(k)) return k;
     throw error(errc::invalid_argument, "automatic", rank, -1,
-                std::string("LOCKSTEP_TOPOLOGY=") + e + ": not ring, torus2d, halving_doubling, recursive_doubling or automatic");
+                std::string("LOCKSTEP_TOPOLOGY=") + e +
+                    ": not ring, torus2d, halving_doubling, recursive_doubling, direct or automatic");
   }
 
   // (operation, group size, count, codec id, group segment, stream-ordered) -> (codec name, choice)

@@ -12,8 +12,8 @@
 // read in place in the peers' buffers, 64 MiB on 4 ranks moves (N+1)/N of the buffer through
 // memory in the reduce-scatter instead of a ring's 3(N-1)/N (80 against 144 MiB per rank).
 // Lossy codecs quantise each rank's own values once and the owner's sum once, as every topology.
-// For a transport with per-message costs (a network) the ring's neighbour-only traffic is the
-// better default; automatic does not pick this topology (its model has no term for the saving).
+// The simulator runs that fan-in as the executor does (sim/simulator.hpp: the sends at once, one
+// pass over the copies), so topology::automatic weighs it against the others on a host group.
 #pragma once
 
 #include <cstdint>
