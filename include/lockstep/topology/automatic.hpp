@@ -105,7 +105,7 @@ struct automatic {
   // default none). Its gain on a host is memory traffic, which the model has only in part (the
   // fan-in's one pass, not the transport's own copies nor the streamed final copies): over the
   // mpi transport on machine C (4 ranks) direct ran 10..14% faster than the ring at 4 MiB and
-  // 10..15% slower at 1 and 16 MiB, where the simulator predicted it 5..10% faster at all three
+  // 10..15% slower at 1 MiB, where the simulator predicted it 4..9% faster at both
   // (docs/benchmarks.md). calibrate_automatic times both at 1 and 4 MiB; a host group's
   // reduce-scatter over direct is one fan-in, which a stream's is not, so a stream never takes it.
   std::vector<std::size_t> direct_sizes{};
