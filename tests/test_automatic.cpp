@@ -266,6 +266,8 @@ TEST_CASE("direct is a candidate within a factor of two of a size where it measu
   };
   CHECK(fit(1.1, 1.1).direct_sizes.empty());
   CHECK(fit(0.9, 0.9).direct_sizes == std::vector<std::size_t>{mib, 4 * mib});
+  // Faster by less than the margin (noise between two runs of one case): not offered.
+  CHECK(fit(1 - detail::direct_margin / 2, 0.9).direct_sizes == std::vector<std::size_t>{4 * mib});
   const automatic a = fit(1.1, 0.9);
   REQUIRE(a.direct_sizes == std::vector<std::size_t>{4 * mib});
   codec::fp32 c;
@@ -281,6 +283,18 @@ TEST_CASE("direct is a candidate within a factor of two of a size where it measu
   CHECK(offered(8 * mib));
   CHECK_FALSE(offered(8 * mib + 4));
   CHECK_FALSE(offered(4 * mib, true));  // a stream's reduce-scatter is no fan-in
+  // The fan-in is the reduce-scatter's: all-reduces and reduce-scatters only; groups up to
+  // direct_max_ranks (its simulation grows as N^3 off the symmetric shortcut).
+  auto offered_for = [&](operation op, int size) {
+    for (const choice& x : a.explain(op, size, mib, c, seg))
+      if (x.kind == choice::direct) return true;
+    return false;
+  };
+  CHECK(offered_for(operation::reduce_scatter, 4));
+  CHECK_FALSE(offered_for(operation::all_gather, 4));
+  CHECK_FALSE(offered_for(operation::broadcast, 4));
+  CHECK(offered_for(operation::all_reduce, automatic::direct_max_ranks));
+  CHECK_FALSE(offered_for(operation::all_reduce, automatic::direct_max_ranks + 1));
   // Where offered, the choice is still the model's fastest; forced, it runs anywhere.
   const choice pick = a.choose(operation::all_reduce, 4, mib, c, seg);
   const auto all = a.explain(operation::all_reduce, 4, mib, c, seg);

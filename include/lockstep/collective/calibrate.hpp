@@ -186,6 +186,11 @@ inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_s
   if (probes > 0 && err_cache <= err_link) a.cache_bytes = tier_probe_bytes;
 }
 
+// How much faster than the ring direct must measure to be offered: more than two runs of one case
+// differ by on an idle machine (the 4-rank 1 MiB ring ran 543..683 us in six jobs on machine C,
+// direct 602..636; at 4 MiB direct measured 10..14% faster).
+inline constexpr double direct_margin = 0.05;
+
 // The link calibrate_automatic derives from its timed cases (a pure function: tests feed it times
 // of their own). `a` carries the rates already and the link to keep where a fit fails.
 inline topology::automatic fit_calibration(topology::automatic a, int size, std::size_t group_segment,
@@ -200,11 +205,12 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
   // The closed forms fitted below have no o term: what a message costs the core ends up in alpha,
   // so an o the link already had (an earlier calibration's) would count twice.
   a.link.overhead_s = 0;
-  // direct where it measured faster than the ring (automatic::direct_sizes): a measurement, not a
-  // fit, so decided before any fit, which may fail.
+  // direct where it measured faster than the ring by direct_margin (automatic::direct_sizes): a
+  // measurement, not a fit, so decided before any fit, which may fail.
   a.direct_sizes.clear();
   for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20})
-    if (const double d = time_of(K::direct, b), r = time_of(K::ring, b); d > 0 && r > 0 && d < r) a.direct_sizes.push_back(b);
+    if (const double d = time_of(K::direct, b), r = time_of(K::ring, b); d > 0 && r > 0 && d < r * (1 - direct_margin))
+      a.direct_sizes.push_back(b);
   // The segment test: the ring at 4 MiB in quarter segments against the group's. It says
   // something only where a ring chunk (4 MiB / size) holds more than one quarter segment (else
   // the two runs are one schedule, from 16 ranks at the default 1 MiB) and the quarter is finer

@@ -380,6 +380,7 @@ class simulator {
     // In a fan-in: its steps, its peers in step order and which of them the current segment waits on.
     std::uint32_t fan = 0, fan_i = 0;
     std::vector<int> fan_peers;
+    bool headers_in = false;  // fp32: the peers' headers are in (a fan-in waited for them)
   };
   static std::uint64_t& counter(std::vector<std::pair<int, std::uint64_t>>& v, int peer) {
     for (auto& [p, k] : v)
@@ -443,8 +444,6 @@ class simulator {
     seg_ = segment_elems(codec_, cl_.segment_bytes);
     rank_state R;
     R.sched = detail::compress(s0);
-    // A fan-in reads several peers per segment, which this one-rank walk does not follow.
-    if (R.sched.fans) return std::nullopt;
     R.send.n = R.recv.n = n;
     R.send.chunks = R.recv.chunks = R.sched.chunks;
     R.send.seg = R.recv.seg = seg_;
@@ -457,6 +456,12 @@ class simulator {
     for (R.step = 0; R.step < R.sched.steps;) {
       maybe_finalize(R);
       const detail::run& ru = R.sched.runs[R.run];
+      if (ru.fan > 1) {
+        // A fan-in: step i's segment j from its peer mirrors this rank's own step-i segment j
+        // (that peer sent it at the time this rank sent its own), as in any step.
+        messages += symmetric_fan(R, egress, ingress);
+        continue;
+      }
       const std::int64_t k = R.in_run;
       R.reduce = ru.reduce;
       R.reduce_scatter = ru.reduce_scatter;
@@ -619,6 +624,8 @@ class simulator {
       cur.back().reset(f.send_first, f.send_count);
       R.fan_peers.push_back(f.recv_peer);
     }
+    fan_headers(R, r);
+    // The NIC's egress only: a host's local links are not shared (deliver).
     double egress = R.t;
     for (bool more = true; more;) {
       more = false;
@@ -627,14 +634,77 @@ class simulator {
         const detail::run& f = R.sched.runs[R.run + i];
         R.send_peer = f.send_peer, R.recv_peer = f.recv_peer;
         const std::uint64_t len = cur[i].next();
-        post(R, static_cast<std::uint32_t>(r), len, egress);
-        const link_params& l = same_host(r, f.send_peer) ? cl_.local : cl_.nic;
-        egress = std::max(egress, R.t) + static_cast<double>(codec_.message_bytes(len)) / l.bandwidth_Bps;
+        const bool nic = !same_host(r, f.send_peer);
+        post(R, static_cast<std::uint32_t>(r), len, nic ? egress : 0.0);
+        if (nic)
+          egress = std::max(egress, R.t) + static_cast<double>(codec_.message_bytes(len)) /
+                                               cl_.nic.bandwidth_for(f.send_peer == f.recv_peer);
         more = more || !cur[i].done();
       }
     }
     R.send = cur.back();
     R.recv_peer = R.fan_peers[0];
+  }
+
+  // fp32 sends its first step beside the headers and waits for none (see the top); a fan-in
+  // waits for every peer's header before it posts anything (the executor's run_fan_in checks
+  // them first, as it will read its peers' spans together).
+  void fan_headers(rank_state& R, int r) {
+    if (!cl_.handshake || !codec_.identity || R.headers_in) return;
+    R.headers_in = true;
+    for (int p : R.sched.recv_peers) {
+      const link_params& l = same_host(p, r) ? cl_.local : cl_.nic;
+      R.t = std::max(R.t, l.latency_s + static_cast<double>(header_bytes) / l.bandwidth_Bps);
+    }
+  }
+
+  // run_symmetric's walk of the fan-in rank R (the one simulated rank) is at; returns its messages.
+  std::uint64_t symmetric_fan(rank_state& R, detail::shaper& egress, detail::shaper& ingress) {
+    const detail::run& head = R.sched.runs[R.run];
+    const std::uint32_t m = head.fan;
+    if (cl_.handshake && codec_.identity && !R.headers_in && !R.sched.recv_peers.empty()) {
+      R.headers_in = true;
+      R.t = std::max(R.t, cl_.nic.latency_s + static_cast<double>(header_bytes) / cl_.nic.bandwidth_Bps);
+    }
+    R.reduce = true, R.reduce_scatter = true, R.exchange = false;
+    std::vector<detail::segment_cursor> cur;
+    std::vector<std::vector<double>> arrive(m);
+    for (std::uint32_t i = 0; i < m; ++i) {
+      const detail::run& f = R.sched.runs[R.run + i];
+      cur.push_back(R.send);
+      cur.back().reset(f.send_first, f.send_count);
+    }
+    double pace = R.t, send_end = 0;
+    std::uint64_t messages = 0;
+    for (bool more = true; more;) {
+      more = false;
+      for (std::uint32_t i = 0; i < m; ++i) {
+        if (cur[i].done()) continue;
+        const detail::run& f = R.sched.runs[R.run + i];
+        const std::uint64_t len = cur[i].next();
+        if (!codec_.identity) R.t += static_cast<double>(len) * codec_.rates.encode_s;
+        R.t += cl_.nic.overhead_s;
+        const double rate = cl_.nic.bandwidth_for(f.send_peer == f.recv_peer);
+        const double bytes = static_cast<double>(codec_.message_bytes(len));
+        const double end = detail::transmit(std::array{&egress, &ingress}, std::max(R.t, pace), bytes, rate, cl_.nic);
+        pace = std::max(pace, R.t) + bytes / rate;
+        send_end = std::max(send_end, end);
+        arrive[i].push_back(end + cl_.nic.latency_s);
+        ++messages;
+        more = more || !cur[i].done();
+      }
+    }
+    R.fan = m, R.fan_i = 0;
+    R.recv.reset(head.recv_first, head.recv_count);
+    for (std::size_t j = 0; !R.recv.done(); ++j)
+      for (std::uint32_t i = 0; i < m; ++i) consume(R, arrive[i].at(j), cl_.nic.overhead_s);
+    R.fan = 0;
+    R.t = std::max(R.t, send_end);
+    for (std::uint32_t i = 0; i < m; ++i) {
+      ++R.step;
+      if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
+    }
+    return messages;
   }
 
   // The message leaves its sender's core: it takes the links of its path, then reaches the peer.

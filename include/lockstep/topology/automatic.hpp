@@ -106,13 +106,20 @@ struct automatic {
   // fan-in's one pass, not the transport's own copies nor the streamed final copies): over the
   // mpi transport on machine C (4 ranks) direct ran 10..14% faster than the ring at 4 MiB and
   // 10..15% slower at 1 MiB, where the simulator predicted it 4..9% faster at both
-  // (docs/benchmarks.md). calibrate_automatic times both at 1 and 4 MiB; a host group's
-  // reduce-scatter over direct is one fan-in, which a stream's is not, so a stream never takes it.
+  // (docs/benchmarks.md). calibrate_automatic times both at 1 and 4 MiB, all-reduces on its group,
+  // so direct is offered for all-reduces and reduce-scatters (the fan-in is the reduce-scatter's;
+  // an all-gather or broadcast over direct is a ring's steps to other peers), on groups of at most
+  // direct_max_ranks, never on a stream (whose reduce-scatter does not fan in).
   std::vector<std::size_t> direct_sizes{};
+  // Above it, simulating direct costs what a call should not pay: its steps have a peer each and
+  // compress to no runs, so a count the ranks do not divide evenly (no symmetric shortcut) runs
+  // every rank's N - 1 fans in full, about 3 s at 1024 ranks.
+  static constexpr int direct_max_ranks = 64;
 
-  // Whether direct is among a call's candidates (stream_ordered: on a stream).
-  bool offers_direct(std::size_t count, bool stream_ordered) const noexcept {
-    if (stream_ordered) return false;
+  // Whether direct is among a call's candidates.
+  bool offers_direct(operation op, int size, std::size_t count, bool stream_ordered) const noexcept {
+    if (stream_ordered || size > direct_max_ranks || (op != operation::all_reduce && op != operation::reduce_scatter))
+      return false;
     const double bytes = static_cast<double>(count) * sizeof(float);
     for (std::size_t b : direct_sizes)
       if (bytes >= 0.5 * static_cast<double>(b) && bytes <= 2.0 * static_cast<double>(b)) return true;
@@ -163,7 +170,7 @@ struct automatic {
         if (s != group_segment && s > 0) segs.push_back(s);
     std::vector<choice> out;
     for (auto k : choice::all) {
-      if (k == choice::direct && !offers_direct(count, stream_ordered)) continue;
+      if (k == choice::direct && !offers_direct(op, size, count, stream_ordered)) continue;
       for (std::size_t s : segs) {
         sim::cluster cl;
         cl.nic = link_for(count);

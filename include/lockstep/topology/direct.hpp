@@ -7,13 +7,14 @@
 //
 // What it buys is the shape of the reduction, not the wire: chunk r is summed on rank r from
 // the N copies as they were, so nothing one rank sends waits on anything it receives. The
-// executor sees that (detail::fan_in in collective/executor.hpp) and, on a host group, posts the
+// executor sees that (pipeline::fan_in_end, run_fan_in in collective/executor.hpp) and, on a host group, posts the
 // N-1 sends at once and adds the N-1 arriving copies in one pass over each segment: over inproc,
 // read in place in the peers' buffers, 64 MiB on 4 ranks moves (N+1)/N of the buffer through
 // memory in the reduce-scatter instead of a ring's 3(N-1)/N (80 against 144 MiB per rank).
 // Lossy codecs quantise each rank's own values once and the owner's sum once, as every topology.
 // The simulator runs that fan-in as the executor does (sim/simulator.hpp: the sends at once, one
-// pass over the copies), so topology::automatic weighs it against the others on a host group.
+// pass over the copies). topology::automatic weighs it against the others only near the sizes
+// where its calibration measured direct faster than the ring (automatic::direct_sizes).
 #pragma once
 
 #include <cstdint>
