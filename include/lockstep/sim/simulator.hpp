@@ -141,7 +141,6 @@ struct compact_schedule {
   std::uint32_t finalize_at = 0;  // the owner's encode + decode runs before this step
   topology::chunk_span owned;
   std::vector<int> recv_peers;  // distinct, for the handshake
-  bool fans = false;            // some steps fan in (each of them a run of its own)
 };
 
 inline compact_schedule compress(const topology::schedule& s) {
@@ -157,7 +156,6 @@ inline compact_schedule compress(const topology::schedule& s) {
     if (end > si + 1) {
       for (std::size_t i = si; i < end; ++i) fan[i] = 1;
       fan[si] = static_cast<std::uint32_t>(end - si);
-      c.fans = true;
     }
     si = end;
   }
@@ -490,8 +488,7 @@ class simulator {
         }
       }
       R.t = std::max(R.t, send_end);
-      ++R.step;
-      if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
+      pass_steps(R, 1);
     }
     maybe_finalize(R);
     last_symmetric_ = true;
@@ -597,10 +594,7 @@ class simulator {
       }
       R.t = std::max(R.t, R.send_end);
       R.in_step = false;
-      for (std::uint32_t i = 0, steps = std::max<std::uint32_t>(R.fan, 1); i < steps; ++i) {
-        ++R.step;
-        if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
-      }
+      pass_steps(R, std::max<std::uint32_t>(R.fan, 1));
       R.fan = 0;
     }
   }
@@ -617,13 +611,8 @@ class simulator {
     const detail::run& head = R.sched.runs[R.run];
     R.fan = head.fan, R.fan_i = 0;
     R.fan_peers.clear();
-    std::vector<detail::segment_cursor> cur;
-    for (std::uint32_t i = 0; i < R.fan; ++i) {
-      const detail::run& f = R.sched.runs[R.run + i];
-      cur.push_back(R.send);
-      cur.back().reset(f.send_first, f.send_count);
-      R.fan_peers.push_back(f.recv_peer);
-    }
+    for (std::uint32_t i = 0; i < R.fan; ++i) R.fan_peers.push_back(R.sched.runs[R.run + i].recv_peer);
+    std::vector<detail::segment_cursor> cur = fan_cursors(R, R.fan);
     fan_headers(R, r);
     // The NIC's egress only: a host's local links are not shared (deliver).
     double egress = R.t;
@@ -662,18 +651,10 @@ class simulator {
   std::uint64_t symmetric_fan(rank_state& R, detail::shaper& egress, detail::shaper& ingress) {
     const detail::run& head = R.sched.runs[R.run];
     const std::uint32_t m = head.fan;
-    if (cl_.handshake && codec_.identity && !R.headers_in && !R.sched.recv_peers.empty()) {
-      R.headers_in = true;
-      R.t = std::max(R.t, cl_.nic.latency_s + static_cast<double>(header_bytes) / cl_.nic.bandwidth_Bps);
-    }
+    fan_headers(R, 0);  // as rank 0: one rank per host here, every peer across the NIC
     R.reduce = true, R.reduce_scatter = true, R.exchange = false;
-    std::vector<detail::segment_cursor> cur;
+    std::vector<detail::segment_cursor> cur = fan_cursors(R, m);
     std::vector<std::vector<double>> arrive(m);
-    for (std::uint32_t i = 0; i < m; ++i) {
-      const detail::run& f = R.sched.runs[R.run + i];
-      cur.push_back(R.send);
-      cur.back().reset(f.send_first, f.send_count);
-    }
     double pace = R.t, send_end = 0;
     std::uint64_t messages = 0;
     for (bool more = true; more;) {
@@ -700,11 +681,27 @@ class simulator {
       for (std::uint32_t i = 0; i < m; ++i) consume(R, arrive[i].at(j), cl_.nic.overhead_s);
     R.fan = 0;
     R.t = std::max(R.t, send_end);
-    for (std::uint32_t i = 0; i < m; ++i) {
+    pass_steps(R, m);
+    return messages;
+  }
+
+  // Moves rank R past `steps` steps of its schedule (a fan-in's runs are one step each).
+  void pass_steps(rank_state& R, std::uint32_t steps) const {
+    for (std::uint32_t i = 0; i < steps; ++i) {
       ++R.step;
       if (++R.in_run == R.sched.runs[R.run].length) ++R.run, R.in_run = 0;
     }
-    return messages;
+  }
+
+  // The send cursors of the fan-in R is at, one per step, in step order.
+  static std::vector<detail::segment_cursor> fan_cursors(const rank_state& R, std::uint32_t m) {
+    std::vector<detail::segment_cursor> cur;
+    for (std::uint32_t i = 0; i < m; ++i) {
+      const detail::run& f = R.sched.runs[R.run + i];
+      cur.push_back(R.send);
+      cur.back().reset(f.send_first, f.send_count);
+    }
+    return cur;
   }
 
   // The message leaves its sender's core: it takes the links of its path, then reaches the peer.
