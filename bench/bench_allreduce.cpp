@@ -310,6 +310,8 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
           std::printf(" --cache-gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9,
                       r.decode_add_s * 1e9);
       }
+      if (autom->bulk_bytes)
+        std::printf(" --bulk-bytes %zu --bulk-exchange-efficiency %.4f", autom->bulk_bytes, autom->bulk_exchange_efficiency);
       std::printf(" --codec ... --bytes ...\n");
     }
   }

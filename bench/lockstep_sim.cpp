@@ -63,6 +63,9 @@ struct options {
   std::size_t cache_bytes = 0;
   double cache_latency_s = -1, cache_bandwidth_Bps = -1;
   std::map<std::string, sim::codec_rates> cache_gamma;
+  // --explain's bulk tier (topology::automatic::bulk_bytes): --bulk-bytes, --bulk-exchange-efficiency
+  std::size_t bulk_bytes = 0;
+  double bulk_eta = -1;
 };
 
 void usage() {
@@ -111,6 +114,8 @@ void usage() {
       "  --cache-bytes B      --explain: calls of at most B bytes per rank are predicted on the cache\n"
       "                       tier: --cache-latency-us A, --cache-gbit G (default: the link's) and\n"
       "                       --cache-gamma-ns C:E,D,A (default: --gamma-ns), as the calibration prints\n"
+      "  --bulk-bytes B       --explain: calls of at least B bytes per rank are predicted with\n"
+      "                       exchanges at --bulk-exchange-efficiency E (the bulk tier), as printed\n"
       "  --json               one JSON object per line");
 }
 
@@ -178,6 +183,8 @@ options parse(int argc, char** argv) {
     else if (a == "--cache-bytes") o.cache_bytes = static_cast<std::size_t>(parse_size(next()));
     else if (a == "--cache-latency-us") o.cache_latency_s = std::stod(next()) * 1e-6;
     else if (a == "--cache-gbit") o.cache_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
+    else if (a == "--bulk-bytes") o.bulk_bytes = static_cast<std::size_t>(parse_size(next()));
+    else if (a == "--bulk-exchange-efficiency") o.bulk_eta = std::stod(next());
     else if (a == "--params") o.params = parse_size(next());
     else if (a == "--compute-ms") o.compute_s = std::stod(next()) * 1e-3;
     else if (a == "--overlap") o.overlap = std::stod(next());
@@ -189,6 +196,9 @@ options parse(int argc, char** argv) {
   }
   if (!o.cache_bytes && (o.cache_latency_s >= 0 || o.cache_bandwidth_Bps > 0 || !o.cache_gamma.empty()))
     throw std::invalid_argument("--cache-latency-us, --cache-gbit and --cache-gamma-ns describe the tier --cache-bytes sets; give it");
+  if (o.bulk_bytes && !(o.bulk_eta > 0 && o.bulk_eta <= 1))
+    throw std::invalid_argument("--bulk-bytes wants --bulk-exchange-efficiency E, 0 < E <= 1");
+  if (!o.bulk_bytes && o.bulk_eta >= 0) throw std::invalid_argument("--bulk-exchange-efficiency describes the tier --bulk-bytes sets; give it");
   return o;
 }
 
@@ -384,6 +394,8 @@ int run_explain(const options& o) {
   if (o.cache_latency_s >= 0) a.cache_link.latency_s = o.cache_latency_s;
   if (o.cache_bandwidth_Bps > 0) a.cache_link.bandwidth_Bps = o.cache_bandwidth_Bps;
   a.cache_rates = o.cache_gamma;
+  a.bulk_bytes = o.bulk_bytes;
+  if (o.bulk_bytes) a.bulk_exchange_efficiency = o.bulk_eta;
   if (!o.json) {
     std::printf("# topology::automatic on alpha %.2f us, %.3f Gbit/s, eta %.2f, overhead %.2f us; group segment %zu bytes\n",
                 o.cl.nic.latency_s * 1e6, o.cl.nic.bandwidth_Bps * 8 / 1e9, o.cl.nic.exchange_efficiency,
@@ -391,6 +403,8 @@ int run_explain(const options& o) {
     if (a.cache_bytes)
       std::printf("# up to %zu bytes per rank: alpha %.2f us, %.3f Gbit/s (the cache tier)\n", a.cache_bytes,
                   a.cache_link.latency_s * 1e6, a.cache_link.bandwidth_Bps * 8 / 1e9);
+    if (a.bulk_bytes)
+      std::printf("# from %zu bytes per rank: eta %.2f (the bulk tier)\n", a.bulk_bytes, a.bulk_exchange_efficiency);
   }
   for (const auto& cn : o.codecs)
     for (int size : o.ranks)

@@ -187,7 +187,11 @@ TEST_CASE("calibrate_automatic leaves every rank with the same parameters", "[au
     CHECK(a.cache_rates.size() == 4);
     CHECK(a.cache_rates.at("dyntree8").decode_add_s == got[0].cache_rates.at("dyntree8").decode_add_s);
     CHECK(a.cache_rates.at("fp32").decode_add_s > 0);
+    // and the bulk tier
+    CHECK(a.bulk_bytes == got[0].bulk_bytes);
+    CHECK(a.bulk_exchange_efficiency == got[0].bulk_exchange_efficiency);
   }
+  CHECK(got[0].bulk_bytes == detail::bulk_probe_bytes / 2);
   CHECK(got[0].link.bandwidth_Bps > 0);
   CHECK(got[0].link.latency_s >= 0);
   CHECK(got[0].link.overhead_s >= 0);
@@ -313,6 +317,9 @@ TEST_CASE("the calibration's fit recovers the link that produced its times", "[a
       const automatic a = detail::fit_calibration(with_rates(), size, seg, cases);
       CAPTURE(a.link.latency_s, a.link.bandwidth_Bps, a.link.overhead_s, a.link.exchange_efficiency);
       CHECK(a.link.exchange_efficiency == Approx(eta).margin(0.03));
+      // The bulk tier's eta, from the same machine's pair out of cache, is the same eta.
+      CHECK(a.bulk_bytes == detail::bulk_probe_bytes / 2);
+      CHECK(a.bulk_exchange_efficiency == Approx(eta).margin(0.03));
       CHECK(a.link.latency_s == Approx(truth.latency_s).epsilon(0.25));
       CHECK(a.link.bandwidth_Bps == Approx(truth.bandwidth_Bps).epsilon(0.1));
       // The quarter segments ran as fast as the model says (it overlaps their reductions with
@@ -328,6 +335,67 @@ TEST_CASE("the calibration's fit recovers the link that produced its times", "[a
   given.link.exchange_efficiency = 0.9;
   const automatic two = detail::fit_calibration(given, 2, seg, simulated_cases(2, sim::link_params{10e-6, 5e9, 0.5}, seg));
   CHECK(two.link.exchange_efficiency == 0.9);
+}
+
+TEST_CASE("the bulk tier: large calls are predicted with the eta their own size measured", "[automatic]") {
+  using K = detail::calibration_case;
+  const std::size_t seg = std::size_t{1} << 20, mib = std::size_t{1} << 20;
+  // Timed out of cache from 3 ranks on (at 2 ranks halving-doubling is the ring).
+  for (int size : {2, 3, 4, 8}) {
+    int bulk = 0;
+    for (const K& k : detail::calibration_cases(size))
+      bulk += k.bytes == detail::bulk_probe_bytes && (k.kind == K::ring || k.kind == K::halving_doubling);
+    CHECK(bulk == (size > 2 ? 2 : 0));
+  }
+  // A machine whose exchanges are slow in cache (eta 0.6 at 1 and 4 MiB) and whose
+  // halving-doubling then runs 5% faster than the ring out of cache: machine C's shape.
+  const sim::link_params link{10e-6, 5e9, 0.6};
+  std::vector<K> cases = simulated_cases(4, link, seg);
+  double ring_bulk = 0;
+  for (const K& k : cases)
+    if (k.kind == K::ring && k.bytes == detail::bulk_probe_bytes) ring_bulk = k.seconds;
+  REQUIRE(ring_bulk > 0);
+  for (K& k : cases)
+    if (k.kind == K::halving_doubling && k.bytes == detail::bulk_probe_bytes) k.seconds = 0.95 * ring_bulk;
+  const automatic a = detail::fit_calibration(with_rates(), 4, seg, cases);
+  CHECK(a.link.exchange_efficiency == Approx(0.6).margin(0.03));
+  const std::size_t edge = detail::bulk_probe_bytes / 2;
+  REQUIRE(a.bulk_bytes == edge);
+  CHECK(a.bulk_exchange_efficiency > a.link.exchange_efficiency);
+  // Its eta makes the model's ratio at that size the measured one, or comes as close as eta <= 1 can.
+  sim::link_params bulk = a.link;
+  bulk.exchange_efficiency = a.bulk_exchange_efficiency;
+  const sim::codec_model m = sim::model_of(codec::fp32{}, fp32_rates);
+  const double predicted = detail::simulated_all_reduce(bulk, m, topology::halving_doubling{}, 4, detail::bulk_probe_bytes, seg) /
+                           detail::simulated_all_reduce(bulk, m, topology::ring{}, 4, detail::bulk_probe_bytes, seg);
+  CHECK((predicted == Approx(0.95).margin(0.005) || (a.bulk_exchange_efficiency == 1.0 && predicted > 0.95)));
+  // The tier starts at bulk_bytes exactly; below it, and in the cache tier, the link's eta.
+  CHECK(a.in_bulk(edge / sizeof(float)));
+  CHECK_FALSE(a.in_bulk(edge / sizeof(float) - 1));
+  CHECK(a.link_for(edge / sizeof(float)).exchange_efficiency == a.bulk_exchange_efficiency);
+  CHECK(a.link_for(edge / sizeof(float) - 1).exchange_efficiency == a.link.exchange_efficiency);
+  automatic wide_cache = a;
+  wide_cache.cache_bytes = 2 * edge;
+  CHECK_FALSE(wide_cache.in_bulk(edge / sizeof(float)));
+  // What it changes: from the tier's start the exchanges now win (torus2d is halving-doubling's 2 x 2
+  // schedule at 4 ranks, and first on a tie); at 1 and 4 MiB the ring, as the link's eta says.
+  codec::fp32 c;
+  for (std::size_t bytes : {edge, 64 * mib}) {
+    CAPTURE(bytes);
+    const choice x = a.choose(operation::all_reduce, 4, bytes / sizeof(float), c, seg);
+    CHECK((x.kind == choice::torus2d || x.kind == choice::halving_doubling));
+  }
+  for (std::size_t bytes : {mib, 4 * mib}) CHECK(a.choose(operation::all_reduce, 4, bytes / sizeof(float), c, seg).kind == choice::ring);
+  // Without the tier (the two bulk cases missing), the link's eta decides every size; a tier
+  // from an earlier calibration is not kept.
+  std::erase_if(cases, [](const K& k) { return k.bytes == detail::bulk_probe_bytes; });
+  automatic earlier = with_rates();
+  earlier.bulk_bytes = mib;
+  earlier.bulk_exchange_efficiency = 0.5;
+  const automatic none = detail::fit_calibration(earlier, 4, seg, cases);
+  CHECK(none.bulk_bytes == 0);
+  CHECK(none.bulk_exchange_efficiency == 1.0);
+  CHECK(none.choose(operation::all_reduce, 4, edge / sizeof(float), c, seg).kind == choice::ring);
 }
 
 TEST_CASE("where recursive doubling ran faster than its reductions alone, the ring still gives the link", "[automatic]") {

@@ -12,6 +12,8 @@
 //   * the ring and halving-doubling at 1 MiB and 4 MiB (3 ranks and more): the same bytes one way
 //     and in pairwise exchanges, so eta (link_params::exchange_efficiency) is what makes the
 //     simulator's halving-doubling / ring ratio the measured one;
+//   * the same two at 32 MiB, cold (evicted from the caches before each run): the bulk tier's
+//     eta, for calls from 16 MiB (automatic::bulk_bytes);
 //   * the same ring and recursive doubling cases up to 64 KiB, on their own, with gamma measured
 //     in cache: automatic's cache tier (automatic::cache_bytes), the link small calls meet; and
 //     both at 256 KiB, which of the two tiers predicts better: where the tier ends;
@@ -36,6 +38,10 @@
 #include <span>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "../codec/bf16.hpp"
 #include "../codec/dyntree8.hpp"
 #include "../codec/fp32.hpp"
@@ -54,6 +60,25 @@ struct calibration_case {
   std::size_t bytes = 0;
   double seconds = 0;  // the group's mean of every rank's median
 };
+
+// The size of the bulk tier's cases, per rank: far out of cache, where the bulk calls are (on
+// machine C the two measured alike at 16 MiB, and halving-doubling 1..7% faster at 64 MiB).
+inline constexpr std::size_t bulk_probe_bytes = std::size_t{32} << 20;
+
+// Writes bytes at p back to memory and out of every cache level (x86: clflush; elsewhere
+// nothing): the bulk cases time their buffers cold, as large calls meet theirs (a bucket written
+// long before its all-reduce; lockstep-bench-allreduce's rotating buffers). Refilled and timed warm,
+// on machine C (whose VM reports a 480 MiB L3), halving-doubling and the ring measured alike at 16
+// and 32 MiB, where cold they ran 2..7% apart.
+inline void evict(const void* p, std::size_t bytes) {
+#if defined(__SSE2__)
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t i = 0; i < bytes; i += 64) _mm_clflush(c + i);
+  _mm_mfence();
+#else
+  (void)p, (void)bytes;
+#endif
+}
 
 // The cases calibrate_automatic times on a group of `size` ranks.
 inline std::vector<calibration_case> calibration_cases(int size) {
@@ -77,6 +102,9 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   // direct against the ring at the same sizes; at 2 ranks direct is the ring's one exchange.
   if (size > 2)
     for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) cases.push_back({K::direct, b});
+  // The ring and halving-doubling out of cache: the bulk tier's eta (automatic::bulk_bytes).
+  if (size > 2)
+    for (K::kind_t k : {K::ring, K::halving_doubling}) cases.push_back({k, bulk_probe_bytes});
   return cases;
 }
 
@@ -191,6 +219,22 @@ inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_s
 // direct 602..636; at 4 MiB direct measured 10..14% faster).
 inline constexpr double direct_margin = 0.05;
 
+// The eta at which the simulator's halving-doubling / ring ratio, ratio(eta), meets the measured
+// one (bisection: the ratio falls as eta rises); 1 where exchanges measured no slower than
+// predicted at 1, and no lower than 0.3: a slower exchange than that is a machine busy with
+// something else (a measured ratio beyond ratio(0.3) converges on 0.3).
+template <class Ratio>
+double eta_meeting(double measured, Ratio&& ratio) {
+  constexpr double eta_min = 0.3;
+  if (!(measured > ratio(1.0))) return 1.0;
+  double lo = eta_min, hi = 1.0;
+  for (int i = 0; i < 24; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (ratio(mid) < measured ? hi : lo) = mid;
+  }
+  return 0.5 * (lo + hi);
+}
+
 // The link calibrate_automatic derives from its timed cases (a pure function: tests feed it times
 // of their own). `a` carries the rates already and the link to keep where a fit fails.
 inline topology::automatic fit_calibration(topology::automatic a, int size, std::size_t group_segment,
@@ -203,8 +247,11 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     return -1.0;
   };
   // The closed forms fitted below have no o term: what a message costs the core ends up in alpha,
-  // so an o the link already had (an earlier calibration's) would count twice.
+  // so an o the link already had (an earlier calibration's) would count twice. A bulk tier from
+  // before is not kept either.
   a.link.overhead_s = 0;
+  a.bulk_bytes = 0;
+  a.bulk_exchange_efficiency = 1.0;
   // direct where it measured faster than the ring by direct_margin (automatic::direct_sizes): a
   // measurement, not a fit, so decided before any fit, which may fail.
   a.direct_sizes.clear();
@@ -264,19 +311,7 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
       }
       return h / r;
     };
-    const double measured = hd / rg;
-    // No lower than 0.3: a slower exchange than that is a machine busy with something else.
-    constexpr double eta_min = 0.3;
-    // (A measured ratio beyond ratio(eta_min) converges on eta_min.)
-    double eta = 1;
-    if (measured > ratio(1.0)) {
-      double lo = eta_min, hi = 1.0;
-      for (int i = 0; i < 24; ++i) {
-        const double mid = 0.5 * (lo + hi);
-        (ratio(mid) < measured ? hi : lo) = mid;
-      }
-      eta = 0.5 * (lo + hi);
-    }
+    const double eta = eta_meeting(hd / rg, ratio);
     a.link.exchange_efficiency = eta;
     // recursive doubling's samples counted their exchanges at beta / eta: once more with this eta
     // (where that fit fails, alpha and beta stay those fitted with eta_given, a close second).
@@ -304,6 +339,18 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
       a.link.overhead_s = std::min((measured - d0) / slope, o_max);
       a.link.latency_s = std::max(0.0, a.link.latency_s - 2 * a.link.overhead_s);
     }
+  }
+  // The bulk tier: eta again, from the two bulk cases alone, on the link as fitted (o included).
+  // The tier starts at half their size: above the 4 MiB the link's eta comes from.
+  const double hd16 = time_of(K::halving_doubling, bulk_probe_bytes), rg16 = time_of(K::ring, bulk_probe_bytes);
+  if (size > 2 && hd16 > 0 && rg16 > 0) {
+    a.bulk_exchange_efficiency = eta_meeting(hd16 / rg16, [&](double eta) {
+      sim::link_params l = a.link;
+      l.exchange_efficiency = eta;
+      return simulate(l, topology::halving_doubling{}, bulk_probe_bytes, group_segment) /
+             simulate(l, topology::ring{}, bulk_probe_bytes, group_segment);
+    });
+    a.bulk_bytes = bulk_probe_bytes / 2;
   }
   // Last: its 256 KiB probe compares the cache tier with the link as automatic will use it, o
   // included.
@@ -340,34 +387,43 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
   codec::fp32 c;
   if (size > 1) {
     using K = detail::calibration_case;
-    auto reps_of = [](const K& k) { return k.bytes <= (64u << 10) ? 31 : 9; };
+    // Fewer runs of the bulk cases: each takes milliseconds.
+    auto reps_of = [](const K& k) { return k.bytes <= (64u << 10) ? 31 : k.bytes >= detail::bulk_probe_bytes ? 3 : 9; };
     std::vector<std::vector<float>> bufs;
     std::vector<std::vector<double>> ts(cases.size());
     for (const K& k : cases) bufs.emplace_back(detail::calibration_elems(size, k.bytes), 1.0f);
-    int rounds = 0;
-    for (const K& k : cases) rounds = std::max(rounds, reps_of(k));
-    // Round 0 warms up; then each round times every case that still wants runs, in turn.
-    for (int r = 0; r <= rounds; ++r)
-      for (std::size_t i = 0; i < cases.size(); ++i) {
-        if (r > reps_of(cases[i])) continue;
-        std::vector<float>& x = bufs[i];
-        std::fill(x.begin(), x.end(), 1.0f);
-        const std::span<float> s(x);
-        const auto t0 = std::chrono::steady_clock::now();
-        no_epilogue ep;
-        switch (cases[i].kind) {
-          case K::ring: all_reduce(g, s, topology::ring{}, c); break;
-          case K::recursive_doubling: all_reduce(g, s, topology::recursive_doubling{}, c); break;
-          case K::halving_doubling: all_reduce(g, s, topology::halving_doubling{}, c); break;
-          case K::direct: all_reduce(g, s, topology::direct{}, c); break;
-          case K::ring_quarter:
-            detail::run_call(detail::op_kind::all_reduce, g, s, topology::ring{}, c, reduce_op::sum, -1, ep,
-                             detail::chunk_layout{}, detail::quarter_segment(g.segment_bytes()));
-            break;
+    // The bulk cases in a phase of their own, after the others: run among them, their buffers
+    // would leave every smaller case's run after them to start from cold caches (direct's margin
+    // over the ring at 4 MiB, which is memory traffic, was then measured away).
+    auto bulk = [](const K& k) { return k.bytes >= detail::bulk_probe_bytes; };
+    for (const bool phase : {false, true}) {
+      int rounds = 0;
+      for (const K& k : cases)
+        if (bulk(k) == phase) rounds = std::max(rounds, reps_of(k));
+      // Round 0 warms up; then each round times every case that still wants runs, in turn.
+      for (int r = 0; r <= rounds; ++r)
+        for (std::size_t i = 0; i < cases.size(); ++i) {
+          if (bulk(cases[i]) != phase || r > reps_of(cases[i])) continue;
+          std::vector<float>& x = bufs[i];
+          std::fill(x.begin(), x.end(), 1.0f);
+          if (phase) detail::evict(x.data(), x.size() * sizeof(float));
+          const std::span<float> s(x);
+          const auto t0 = std::chrono::steady_clock::now();
+          no_epilogue ep;
+          switch (cases[i].kind) {
+            case K::ring: all_reduce(g, s, topology::ring{}, c); break;
+            case K::recursive_doubling: all_reduce(g, s, topology::recursive_doubling{}, c); break;
+            case K::halving_doubling: all_reduce(g, s, topology::halving_doubling{}, c); break;
+            case K::direct: all_reduce(g, s, topology::direct{}, c); break;
+            case K::ring_quarter:
+              detail::run_call(detail::op_kind::all_reduce, g, s, topology::ring{}, c, reduce_op::sum, -1, ep,
+                               detail::chunk_layout{}, detail::quarter_segment(g.segment_bytes()));
+              break;
+          }
+          const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          if (r > 0) ts[i].push_back(t);
         }
-        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (r > 0) ts[i].push_back(t);
-      }
+    }
     // The median, not the best: a call meets the machine as it is, load included.
     for (std::size_t i = 0; i < cases.size(); ++i) {
       std::nth_element(ts[i].begin(), ts[i].begin() + static_cast<std::ptrdiff_t>(ts[i].size() / 2), ts[i].end());

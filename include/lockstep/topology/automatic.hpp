@@ -7,9 +7,9 @@
 // topologies' own schedules, the executor's segments and send window) how long this operation
 // would take over each candidate — ring, torus2d (most square), halving_doubling,
 // recursive_doubling, direct (where calibration measured it faster than the ring: direct_sizes) —
-// and each candidate segment size, on the link it was given (alpha, beta,
-// eta; for small buffers, those of its cache tier) and the codec's measured gamma, and runs the
-// fastest; ties go to the earlier candidate in that order, and a segment size other than the
+// and each candidate segment size, on the link it was given (alpha, beta, eta; for small buffers,
+// those of its cache tier; for large ones, the bulk tier's eta) and the codec's measured gamma,
+// and runs the fastest; ties go to the earlier candidate in that order, and a segment size other than the
 // group's wins only by segment_margin (10%). NCCL's tuner makes the same choice from tables; this
 // one comes from the model the simulator uses, so `lockstep-sim --explain` (or explain() here)
 // prints the very numbers a call compared.
@@ -126,9 +126,27 @@ struct automatic {
     return false;
   }
 
-  // Whether a call of `count` values is predicted on the cache tier.
+  // Calls of at least bulk_bytes per rank (0: no such tier) are predicted with exchanges at
+  // bulk_exchange_efficiency instead of link.exchange_efficiency. Where the "link" is the cores
+  // copying through shared memory, how an exchange step compares with a one-way step changes once
+  // the buffers come from memory: over the mpi transport on machine C (4 ranks) halving-doubling
+  // ran 0..5% slower than the ring at 1 and 4 MiB and 2..7% faster at 16 and 64 MiB, where the one
+  // eta fitted at 1 and 4 MiB chose the ring (docs/benchmarks.md). calibrate_automatic fits this
+  // eta on the ring and halving-doubling at 32 MiB, cold, and starts the tier at 16 MiB.
+  std::size_t bulk_bytes = 0;
+  double bulk_exchange_efficiency = 1.0;
+
+  // Whether a call of `count` values is predicted on the cache tier, on the bulk tier.
   bool in_cache(std::size_t count) const noexcept { return cache_bytes > 0 && count <= cache_bytes / sizeof(float); }
-  const sim::link_params& link_for(std::size_t count) const noexcept { return in_cache(count) ? cache_link : link; }
+  bool in_bulk(std::size_t count) const noexcept {
+    return bulk_bytes > 0 && !in_cache(count) && count >= (bulk_bytes + sizeof(float) - 1) / sizeof(float);
+  }
+  sim::link_params link_for(std::size_t count) const noexcept {
+    if (in_cache(count)) return cache_link;
+    sim::link_params l = link;
+    if (in_bulk(count)) l.exchange_efficiency = bulk_exchange_efficiency;
+    return l;
+  }
 
   std::string name() const { return "automatic"; }
   void validate(int size, int rank = -1) const {
