@@ -66,6 +66,7 @@ struct options {
   // --explain's bulk tier (topology::automatic::bulk_bytes): --bulk-bytes, --bulk-exchange-efficiency
   std::size_t bulk_bytes = 0;
   double bulk_eta = -1;
+  bool bulk_set = false;
 };
 
 void usage() {
@@ -184,7 +185,7 @@ options parse(int argc, char** argv) {
     else if (a == "--cache-latency-us") o.cache_latency_s = std::stod(next()) * 1e-6;
     else if (a == "--cache-gbit") o.cache_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
     else if (a == "--bulk-bytes") o.bulk_bytes = static_cast<std::size_t>(parse_size(next()));
-    else if (a == "--bulk-exchange-efficiency") o.bulk_eta = std::stod(next());
+    else if (a == "--bulk-exchange-efficiency") o.bulk_eta = std::stod(next()), o.bulk_set = true;
     else if (a == "--params") o.params = parse_size(next());
     else if (a == "--compute-ms") o.compute_s = std::stod(next()) * 1e-3;
     else if (a == "--overlap") o.overlap = std::stod(next());
@@ -198,7 +199,8 @@ options parse(int argc, char** argv) {
     throw std::invalid_argument("--cache-latency-us, --cache-gbit and --cache-gamma-ns describe the tier --cache-bytes sets; give it");
   if (o.bulk_bytes && !(o.bulk_eta > 0 && o.bulk_eta <= 1))
     throw std::invalid_argument("--bulk-bytes wants --bulk-exchange-efficiency E, 0 < E <= 1");
-  if (!o.bulk_bytes && o.bulk_eta >= 0) throw std::invalid_argument("--bulk-exchange-efficiency describes the tier --bulk-bytes sets; give it");
+  if (!o.bulk_bytes && o.bulk_set)
+    throw std::invalid_argument("--bulk-exchange-efficiency describes the tier --bulk-bytes B (B > 0) sets; give it");
   return o;
 }
 

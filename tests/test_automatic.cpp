@@ -191,7 +191,8 @@ TEST_CASE("calibrate_automatic leaves every rank with the same parameters", "[au
     CHECK(a.bulk_bytes == got[0].bulk_bytes);
     CHECK(a.bulk_exchange_efficiency == got[0].bulk_exchange_efficiency);
   }
-  CHECK(got[0].bulk_bytes == detail::bulk_probe_bytes / 2);
+  // (none where the link's fit failed: a loaded machine's times can fit no positive beta)
+  CHECK((got[0].bulk_bytes == detail::bulk_probe_bytes / 2 || got[0].bulk_bytes == 0));
   CHECK(got[0].link.bandwidth_Bps > 0);
   CHECK(got[0].link.latency_s >= 0);
   CHECK(got[0].link.overhead_s >= 0);

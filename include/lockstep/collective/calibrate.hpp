@@ -5,15 +5,16 @@
 // Measures gamma of fp32, bf16, int8 and dyntree8 on this machine (sim::measure_rates), out of
 // cache (16 MiB) and in cache (64 KiB), then
 // times fp32 all-reduces, each the median of a few runs, the cases taking turns round by round
-// (so that a machine that slows down mid-way slows every case alike, not the last ones):
+// (so that a machine that slows down mid-way slows every case alike, not the last ones; the two
+// bulk cases take turns in a phase of their own, last):
 //   * the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of two, recursive
 //     doubling (pairwise exchanges) at the same sizes: alpha and beta, fitted to the closed forms
 //     (sim::fit_alpha_beta);
 //   * the ring and halving-doubling at 1 MiB and 4 MiB (3 ranks and more): the same bytes one way
 //     and in pairwise exchanges, so eta (link_params::exchange_efficiency) is what makes the
 //     simulator's halving-doubling / ring ratio the measured one;
-//   * the same two at 32 MiB, cold (evicted from the caches before each run): the bulk tier's
-//     eta, for calls from 16 MiB (automatic::bulk_bytes);
+//   * the same two at 32 MiB, cold (evicted from the caches before each run; 3 ranks and more):
+//     the bulk tier's eta, for calls from 16 MiB (automatic::bulk_bytes);
 //   * the same ring and recursive doubling cases up to 64 KiB, on their own, with gamma measured
 //     in cache: automatic's cache tier (automatic::cache_bytes), the link small calls meet; and
 //     both at 256 KiB, which of the two tiers predicts better: where the tier ends;
@@ -26,9 +27,10 @@
 //     whose "transfer" is the reducing core reading its peer's memory (shared memory by
 //     reference) cannot do, and no o makes it see that (the overlap absorbs it).
 // The measurements are averaged over the group (an all_reduce: the same bits on every rank) before
-// any of this, so every rank holds the same parameters and makes the same choices. Well under a
-// second on an idle machine; on a loaded one the fit describes the load too, which is what the
-// choices then face.
+// any of this, so every rank holds the same parameters and makes the same choices. About a second
+// on an idle 2-core machine with 4 ranks of shared memory (seconds over a slow network: the bulk
+// cases move 32 MiB per rank eight times); on a loaded one the fit describes the load too, which
+// is what the choices then face.
 #pragma once
 
 #include <algorithm>
@@ -38,7 +40,7 @@
 #include <span>
 #include <vector>
 
-#if defined(__SSE2__)
+#if defined(__SSE2__) && !defined(__CUDACC__)
 #include <emmintrin.h>
 #endif
 
@@ -62,18 +64,22 @@ struct calibration_case {
 };
 
 // The size of the bulk tier's cases, per rank: far out of cache, where the bulk calls are (on
-// machine C the two measured alike at 16 MiB, and halving-doubling 1..7% faster at 64 MiB).
+// machine C the bench ran halving-doubling 2..7% ahead of the ring at 16 and 64 MiB, cold).
 inline constexpr std::size_t bulk_probe_bytes = std::size_t{32} << 20;
 
-// Writes bytes at p back to memory and out of every cache level (x86: clflush; elsewhere
-// nothing): the bulk cases time their buffers cold, as large calls meet theirs (a bucket written
-// long before its all-reduce; lockstep-bench-allreduce's rotating buffers). Refilled and timed warm,
-// on machine C (whose VM reports a 480 MiB L3), halving-doubling and the ring measured alike at 16
-// and 32 MiB, where cold they ran 2..7% apart.
+// Writes bytes at p back to memory and out of every cache level (x86 with SSE2: clflush;
+// elsewhere, and in a CUDA translation unit, nothing: the bulk cases are then timed warm): the
+// bulk cases time their buffers cold, as large calls meet theirs (a bucket written long before
+// its all-reduce; lockstep-bench-allreduce's rotating buffers). Refilled and timed warm on machine
+// C (whose VM reports a 480 MiB L3), halving-doubling and the ring measured alike at 16 and 32
+// MiB, while the bench, cold, ran halving-doubling 2..7% ahead at 16 and 64 MiB.
 inline void evict(const void* p, std::size_t bytes) {
-#if defined(__SSE2__)
+#if defined(__SSE2__) && !defined(__CUDACC__)
+  if (bytes == 0) return;
   const char* c = static_cast<const char*>(p);
-  for (std::size_t i = 0; i < bytes; i += 64) _mm_clflush(c + i);
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(c) & ~std::uintptr_t{63};
+  for (std::uintptr_t a = first; a < reinterpret_cast<std::uintptr_t>(c) + bytes; a += 64)
+    _mm_clflush(reinterpret_cast<const void*>(a));
   _mm_mfence();
 #else
   (void)p, (void)bytes;
@@ -342,9 +348,9 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
   }
   // The bulk tier: eta again, from the two bulk cases alone, on the link as fitted (o included).
   // The tier starts at half their size: above the 4 MiB the link's eta comes from.
-  const double hd16 = time_of(K::halving_doubling, bulk_probe_bytes), rg16 = time_of(K::ring, bulk_probe_bytes);
-  if (size > 2 && hd16 > 0 && rg16 > 0) {
-    a.bulk_exchange_efficiency = eta_meeting(hd16 / rg16, [&](double eta) {
+  const double hd_bulk = time_of(K::halving_doubling, bulk_probe_bytes), rg_bulk = time_of(K::ring, bulk_probe_bytes);
+  if (size > 2 && hd_bulk > 0 && rg_bulk > 0) {
+    a.bulk_exchange_efficiency = eta_meeting(hd_bulk / rg_bulk, [&](double eta) {
       sim::link_params l = a.link;
       l.exchange_efficiency = eta;
       return simulate(l, topology::halving_doubling{}, bulk_probe_bytes, group_segment) /
@@ -389,14 +395,21 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
     using K = detail::calibration_case;
     // Fewer runs of the bulk cases: each takes milliseconds.
     auto reps_of = [](const K& k) { return k.bytes <= (64u << 10) ? 31 : k.bytes >= detail::bulk_probe_bytes ? 3 : 9; };
-    std::vector<std::vector<float>> bufs;
-    std::vector<std::vector<double>> ts(cases.size());
-    for (const K& k : cases) bufs.emplace_back(detail::calibration_elems(size, k.bytes), 1.0f);
     // The bulk cases in a phase of their own, after the others: run among them, their buffers
     // would leave every smaller case's run after them to start from cold caches (direct's margin
-    // over the ring at 4 MiB, which is memory traffic, was then measured away).
+    // over the ring at 4 MiB, which is memory traffic, was then measured away). They share one
+    // buffer, made when the others' are gone.
     auto bulk = [](const K& k) { return k.bytes >= detail::bulk_probe_bytes; };
+    std::vector<std::vector<float>> bufs(cases.size());
+    std::vector<std::vector<double>> ts(cases.size());
+    for (std::size_t i = 0; i < cases.size(); ++i)
+      if (!bulk(cases[i])) bufs[i].assign(detail::calibration_elems(size, cases[i].bytes), 1.0f);
+    std::vector<float> bulk_buf;
     for (const bool phase : {false, true}) {
+      if (phase) {
+        bufs.clear();
+        bulk_buf.assign(detail::calibration_elems(size, detail::bulk_probe_bytes), 1.0f);
+      }
       int rounds = 0;
       for (const K& k : cases)
         if (bulk(k) == phase) rounds = std::max(rounds, reps_of(k));
@@ -404,9 +417,14 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
       for (int r = 0; r <= rounds; ++r)
         for (std::size_t i = 0; i < cases.size(); ++i) {
           if (bulk(cases[i]) != phase || r > reps_of(cases[i])) continue;
-          std::vector<float>& x = bufs[i];
+          std::vector<float>& x = phase ? bulk_buf : bufs[i];
           std::fill(x.begin(), x.end(), 1.0f);
-          if (phase) detail::evict(x.data(), x.size() * sizeof(float));
+          if (phase) {
+            detail::evict(x.data(), x.size() * sizeof(float));
+            // Every rank's flush done before any clock starts: on shared cores a rank still
+            // flushing would add its flush to both cases' times alike, pulling their ratio to 1.
+            barrier(g);
+          }
           const std::span<float> s(x);
           const auto t0 = std::chrono::steady_clock::now();
           no_epilogue ep;

@@ -132,14 +132,15 @@ struct automatic {
   // the buffers come from memory: over the mpi transport on machine C (4 ranks) halving-doubling
   // ran 0..5% slower than the ring at 1 and 4 MiB and 2..7% faster at 16 and 64 MiB, where the one
   // eta fitted at 1 and 4 MiB chose the ring (docs/benchmarks.md). calibrate_automatic fits this
-  // eta on the ring and halving-doubling at 32 MiB, cold, and starts the tier at 16 MiB.
+  // eta on the ring and halving-doubling at 32 MiB, cold, and starts the tier at 16 MiB, on groups
+  // of 3 ranks and more (at 2, halving-doubling is the ring).
   std::size_t bulk_bytes = 0;
   double bulk_exchange_efficiency = 1.0;
 
   // Whether a call of `count` values is predicted on the cache tier, on the bulk tier.
   bool in_cache(std::size_t count) const noexcept { return cache_bytes > 0 && count <= cache_bytes / sizeof(float); }
   bool in_bulk(std::size_t count) const noexcept {
-    return bulk_bytes > 0 && !in_cache(count) && count >= (bulk_bytes + sizeof(float) - 1) / sizeof(float);
+    return bulk_bytes > 0 && !in_cache(count) && count >= bulk_bytes / sizeof(float) + (bulk_bytes % sizeof(float) != 0);
   }
   sim::link_params link_for(std::size_t count) const noexcept {
     if (in_cache(count)) return cache_link;
