@@ -27,10 +27,10 @@
 //     whose "transfer" is the reducing core reading its peer's memory (shared memory by
 //     reference) cannot do, and no o makes it see that (the overlap absorbs it).
 // The measurements are averaged over the group (an all_reduce: the same bits on every rank) before
-// any of this, so every rank holds the same parameters and makes the same choices. About a second
-// on an idle 2-core machine with 4 ranks of shared memory (seconds over a slow network: the bulk
-// cases move 32 MiB per rank eight times); on a loaded one the fit describes the load too, which
-// is what the choices then face.
+// any of this, so every rank holds the same parameters and makes the same choices. 1.4..1.6 s on
+// an idle 2-core machine with 4 ranks of shared memory, half of it the bulk cases (seconds more
+// over a slow network: they move 32 MiB per rank eight times); on a loaded one the fit describes
+// the load too, which is what the choices then face.
 #pragma once
 
 #include <algorithm>
