@@ -642,7 +642,7 @@ TEST_CASE("error feedback keeps the running sum of decoded values close to the t
 
 // Error feedback over an elementwise codec encodes in one pass (codec::encode_elements, the CUDA
 // kernel's loop too); it must leave the wire and the residual of the general path: v = x + r,
-// encode(v), r = v - decode(wire). Inputs with ties, subnormals, huge values, Inf and NaN.
+// encode(v), r = v - decode(wire) (0 where not finite). Inputs with ties, subnormals, huge values, Inf and NaN.
 template <class C>
 void check_fused_feedback() {
   const std::size_t n = 4099;  // odd: the vector loops' tails
@@ -665,9 +665,52 @@ void check_fused_feedback() {
   CHECK(std::memcmp(fused.data(), plain.data(), wire_bytes) == 0);
   std::size_t first_bad = n;
   for (std::size_t i = 0; i < n; ++i)
-    if (std::bit_cast<std::uint32_t>(r_fused[i]) != std::bit_cast<std::uint32_t>(v[i] - dec[i]) && bad++ == 0) first_bad = i;
+    if (std::bit_cast<std::uint32_t>(r_fused[i]) != std::bit_cast<std::uint32_t>(codec::feedback_residual(v[i], dec[i])) &&
+        bad++ == 0)
+      first_bad = i;
   CAPTURE(first_bad);
   CHECK(bad == 0);
+}
+
+// One overflowed step (the one a loss scaler skips) must not poison the steps after it: the
+// residual restarts at 0 where v - decode(wire) is not finite, on every path.
+template <class C>
+void check_feedback_recovers(C inner) {
+  const std::size_t n = 1000;
+  codec::error_feedback<C> ef(inner);
+  std::vector<std::byte> w(ef.wire_bytes(n));
+  std::vector<float> y(n);
+  float* r = ef.residual(&y, n, 0);
+  for (const float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN(), 3.4e38f}) {
+    std::vector<float> x = normal(n, 31);
+    x[17] = bad;
+    if (bad == 3.4e38f) r[17] = 3.4e38f;  // x + r overflows
+    ef.encode_with_residual(x.data(), n, w.data(), r);
+    ef.decode(w.data(), n, y.data());
+    INFO(ef.name() << ", bad value " << bad);
+    CHECK(!std::isfinite(y[17]));  // the bad step still shows its overflow
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(std::isfinite(r[i]));
+    for (int step = 0; step < 2; ++step) {
+      const std::vector<float> ok = normal(n, 32 + static_cast<std::uint32_t>(step));
+      ef.encode_with_residual(ok.data(), n, w.data(), r);
+      ef.decode(w.data(), n, y.data());
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(std::isfinite(y[i]));
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(std::isfinite(r[i]));
+    }
+  }
+  // Finite values keep their exact residual.
+  CHECK(codec::feedback_residual(1.5f, 1.25f) == 0.25f);
+  CHECK(codec::feedback_residual(-0.0f, 0.0f) == 0.0f);
+  CHECK(codec::feedback_residual(std::numeric_limits<float>::infinity(), 1.0f) == 0.0f);
+  CHECK(codec::feedback_residual(3.4e38f, -3.4e38f) == 0.0f);  // the difference overflows
+}
+
+TEST_CASE("error feedback recovers after a step with Inf or NaN on every codec", "[codec][ef]") {
+  check_feedback_recovers(codec::bf16{});
+  check_feedback_recovers(codec::int8{});
+  check_feedback_recovers(codec::dyntree8{});
+  check_feedback_recovers(codec::int8{64});
 }
 
 TEST_CASE("error feedback over fp32 and bf16 encodes in one pass with the general path's bits", "[codec][ef]") {

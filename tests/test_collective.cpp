@@ -242,6 +242,45 @@ TEST_CASE("error feedback makes repeated lossy all-reduces unbiased", "[collecti
   }
 }
 
+TEST_CASE("error feedback through the out-of-place reduce_scatter keeps the input's residuals", "[collective][ef]") {
+  // reduce_scatter(in, out) and reduce_scatter_v reduce a working copy made afresh every call; the
+  // residuals belong to `in`. Keyed by the copy, they were new every call (no feedback at all, one
+  // more key per call) or, where the allocator reused the address, shared between tensors.
+  std::vector<double> single_of(4, 0.0), worst_of(4, 0.0);
+  std::vector<std::size_t> keys_of(4, 0);
+  run_inproc(4, [&](inproc_group& g) {
+    const std::size_t m = 3000, n = 4 * m;
+    const auto r = static_cast<std::size_t>(g.rank());
+    codec::error_feedback<codec::int8> ef;
+    std::vector<float> a(n), b(n), out_a(m), out_b(m);
+    std::vector<double> mean(m, 0.0);
+    double single = 0;
+    const std::vector<std::size_t> counts(4, m);
+    const int calls = 64;
+    auto value = [](int rank, std::size_t i, int which) { return 0.01f * input(rank + 7 * which, i, false) + 0.001f; };
+    for (int k = 0; k < calls; ++k) {
+      for (std::size_t i = 0; i < n; ++i) a[i] = value(g.rank(), i, 0), b[i] = value(g.rank(), i, 1);
+      if (k % 2) reduce_scatter_v(g, std::span<const float>(a), std::span<float>(out_a), counts, topology::ring{}, ef);
+      else reduce_scatter(g, std::span<const float>(a), std::span<float>(out_a), topology::ring{}, ef);
+      reduce_scatter(g, std::span<const float>(b), std::span<float>(out_b), topology::ring{}, ef);  // another tensor between
+      for (std::size_t j = 0; j < m; ++j) {
+        double exact = 0;
+        for (int q = 0; q < 4; ++q) exact += value(q, r * m + j, 0);
+        mean[j] += (out_a[j] - exact) / calls;
+        if (k == 0) single = std::max(single, std::abs(out_a[j] - exact));
+      }
+    }
+    double worst = 0;
+    for (double e : mean) worst = std::max(worst, std::abs(e));
+    single_of[r] = single, worst_of[r] = worst, keys_of[r] = ef.buffers();
+  });
+  for (std::size_t r = 0; r < 4; ++r) {
+    INFO("rank " << r << ": single-call max error " << single_of[r] << ", mean error over 64 calls " << worst_of[r]);
+    CHECK(worst_of[r] * 8 < single_of[r]);
+    CHECK(keys_of[r] == 2);  // one per input (reduce-scatter has one phase), not one per call
+  }
+}
+
 TEST_CASE("error feedback shows in the collective's label, and pairs with a rank without it", "[collective][ef]") {
   // The wire format is the same with and without feedback (same codec id): a group where only
   // some ranks keep residuals all-reduces as usual. The ranks record, the main thread checks.

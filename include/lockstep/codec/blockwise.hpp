@@ -29,6 +29,7 @@
 
 #include "../core/config.hpp"
 #include "concept.hpp"
+#include "residual.hpp"
 
 #include "simd.hpp"
 
@@ -146,7 +147,7 @@ class blockwise {
       std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
       quantize_block(v, len, scale, codes + lo);
       decode_block<false>(codes + lo, len, scale, residual + lo);
-      for (std::size_t i = 0; i < len; ++i) residual[lo + i] = v[i] - residual[lo + i];
+      for (std::size_t i = 0; i < len; ++i) residual[lo + i] = feedback_residual(v[i], residual[lo + i]);
     }
   }
 

@@ -4,6 +4,7 @@
 //
 //   encode_elements<C>{x, r, out}(i)      out[i] <- to_wire(v), v = x[i]; with a residual r (error
 //                                         feedback; else null) v = x[i] + r[i], r[i] <- v - from_wire(out[i])
+//                                         (0 where not finite: residual.hpp)
 //   decode_elements<C>{in, out, add}(i)   out[i] <- from_wire(in[i]), or out[i] += it when `add`
 //
 // Sums and differences only, each rounded on its own on either side (there is no product to
@@ -16,6 +17,7 @@
 #include <cstddef>
 
 #include "../core/config.hpp"
+#include "residual.hpp"
 
 namespace lockstep::codec {
 
@@ -34,7 +36,7 @@ struct encode_elements {
     const float v = residual ? x[i] + residual[i] : x[i];
     const typename C::element c = C::to_wire(v);
     out[i] = c;
-    if (residual) residual[i] = v - C::from_wire(c);
+    if (residual) residual[i] = feedback_residual(v, C::from_wire(c));
   }
 };
 

@@ -165,7 +165,7 @@ class error_feedback {
     // residual <- v - decode(wire): decoded into the residual's storage, then one subtracting pass
     // (the CUDA kernels compute the same v - decoded per element, so the bits agree).
     inner.decode(out, n, residual);
-    for (std::size_t i = 0; i < n; ++i) residual[i] = v[i] - residual[i];
+    for (std::size_t i = 0; i < n; ++i) residual[i] = feedback_residual(v[i], residual[i]);
   }
 
  private:

@@ -75,10 +75,12 @@ void check_sizes(const G& g, const char* op, std::size_t in, std::size_t out, st
 // call's own segment size (0: the group's).
 template <class G, topology::topology T, class C, class Epilogue>
 void run_call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue& ep,
-              chunk_layout layout = {}, std::size_t segment_bytes = 0, std::string_view label_prefix = {}) {
+              chunk_layout layout = {}, std::size_t segment_bytes = 0, std::string_view label_prefix = {},
+              const void* residual_key = nullptr) {
   op_desc d = describe(kind, g, topo, codec, rop, root, label_prefix);
   d.layout = std::move(layout);
   d.segment_bytes = segment_bytes;
+  d.residual_key = residual_key;
   const topology::schedule s = kind == op_kind::reduce_scatter ? topo.reduce_scatter(g.rank(), g.size())
                                : kind == op_kind::all_gather   ? topo.all_gather(g.rank(), g.size())
                                : kind == op_kind::broadcast    ? topology::broadcast_schedule(topo, root, g.rank(), g.size())
@@ -91,7 +93,7 @@ void run_call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec,
 // the call, from inputs every rank shares (group size, count, codec).
 template <class G, class T, class C, class Epilogue>
 auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue ep,
-          chunk_layout layout = {}) {
+          chunk_layout layout = {}, const void* residual_key = nullptr) {
   if constexpr (topology::per_call<T>) {
     // The choice is made here, as the call is issued: it depends on nothing the call's turn
     // changes, and the call then carries the few bytes of the choice, not a copy of the chooser
@@ -111,15 +113,16 @@ auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, red
     } catch (...) {
       failed = std::current_exception();
     }
-    return [&g, kind, buf, pick, failed, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
+    return [&g, kind, buf, pick, failed, &codec, rop, root, ep, layout = std::move(layout), residual_key]() mutable {
       if (failed) std::rethrow_exception(failed);
       T::visit(pick.kind, [&](const auto& concrete) {
-        run_call(kind, g, buf, concrete, codec, rop, root, ep, std::move(layout), pick.segment_bytes, "automatic: ");
+        run_call(kind, g, buf, concrete, codec, rop, root, ep, std::move(layout), pick.segment_bytes, "automatic: ",
+                 residual_key);
       });
     };
   } else {
-    return [&g, kind, buf, topo, &codec, rop, root, ep, layout = std::move(layout)]() mutable {
-      run_call(kind, g, buf, topo, codec, rop, root, ep, std::move(layout));
+    return [&g, kind, buf, topo, &codec, rop, root, ep, layout = std::move(layout), residual_key]() mutable {
+      run_call(kind, g, buf, topo, codec, rop, root, ep, std::move(layout), 0, {}, residual_key);
     };
   }
 }
@@ -127,8 +130,8 @@ auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, red
 // Blocking: inline on a host group; enqueued and waited for on an ordered one.
 template <class G, class T, class C, class Epilogue>
 void run_now(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, reduce_op rop, int root, Epilogue&& ep,
-             chunk_layout layout = {}) {
-  auto fn = call(kind, g, buf, topo, codec, rop, root, std::ref(ep), std::move(layout));
+             chunk_layout layout = {}, const void* residual_key = nullptr) {
+  auto fn = call(kind, g, buf, topo, codec, rop, root, std::ref(ep), std::move(layout), residual_key);
   if constexpr (G::ordered) g.submit(fn, label(kind, topo, codec)).wait();
   else g.run(fn);
 }
@@ -226,10 +229,12 @@ void reduce_scatter(group<Tr>& g, std::span<const float> in, std::span<float> ou
   float* work = reinterpret_cast<float*>(mem.data());
   sp.copy(work, in.data(), in.size() * sizeof(float));
   const std::size_t m = out.size(), r = static_cast<std::size_t>(g.rank());
-  reduce_scatter_inplace(g, std::span<float>(work, in.size()), topo, codec, op,
-                         [&](std::size_t first, std::size_t count) {
-                           sp.copy(out.data() + (first - r * m), work + first, count * sizeof(float));
-                         });
+  // Error feedback keys the residuals by `in`: the working copy is new every call.
+  detail::run_now(detail::op_kind::reduce_scatter, g, std::span<float>(work, in.size()), topo, codec, op, -1,
+                  [&](std::size_t first, std::size_t count) {
+                    sp.copy(out.data() + (first - r * m), work + first, count * sizeof(float));
+                  },
+                  {}, in.data());
 }
 
 // ---- all_gather -------------------------------------------------------------------------------
@@ -317,7 +322,7 @@ void reduce_scatter_v(group<Tr>& g, std::span<const float> in, std::span<float> 
                   [&](std::size_t first, std::size_t count) {
                     sp.copy(out.data() + (first - at), work + first, count * sizeof(float));
                   },
-                  std::move(l));
+                  std::move(l), in.data());
 }
 
 // ---- broadcast, barrier -----------------------------------------------------------------------

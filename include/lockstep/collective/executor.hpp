@@ -143,6 +143,9 @@ struct op_desc {
   std::string label;  // "all_reduce(ring, bf16)"
   std::size_t segment_bytes = 0;  // this call's segment (topology::automatic); 0: the group's
   chunk_layout layout{};  // per-rank counts of all_gather_v / reduce_scatter_v; else equal chunks
+  // Error feedback keys its residuals by this instead of the buffer (null): an out-of-place call
+  // reduces a working copy made afresh each time, and its residuals belong to the caller's input.
+  const void* residual_key = nullptr;
 };
 
 inline std::string describe_mismatch(const wire_header& mine, const wire_header& theirs) {
@@ -603,7 +606,8 @@ class schedule_run {
   void encode(const segment& sg, int ef_phase) {
     float* r = nullptr;
     if constexpr (codec::feedback_codec<C>) {
-      if (replicated_.empty() || !replicated_[sg.chunk]) r = codec_.residual(x_, n_, ef_phase, sp_) + sg.lo;
+      if (replicated_.empty() || !replicated_[sg.chunk])
+        r = codec_.residual(op_.residual_key ? op_.residual_key : static_cast<const void*>(x_), n_, ef_phase, sp_) + sg.lo;
     }
     sp_.encode(codec_, x_ + sg.lo, sg.len, sg.wire, r);
   }

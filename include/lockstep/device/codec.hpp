@@ -81,7 +81,7 @@ blockwise_encode(codec::blockwise<Format> cw, const float* __restrict__ x, float
       const float v = load(lo + i);
       const std::uint8_t c = live ? Format::quantize(__fmul_rn(v, inv)) : std::uint8_t{0};
       codes[lo + i] = c;
-      if (residual) residual[lo + i] = __fsub_rn(v, __fmul_rn(table[c], scale));
+      if (residual) residual[lo + i] = codec::feedback_residual(v, __fmul_rn(table[c], scale));
     }
   }
 }
