@@ -4,9 +4,16 @@
 #include <lockstep/transport/inproc.hpp>
 #include <lockstep/transport/run_inproc.hpp>
 
+#include <lockstep/collective.hpp>
+
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <exception>
+#include <future>
+#include <limits>
+#include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -106,4 +113,79 @@ TEST_CASE("split makes sub-groups ordered by key then rank", "[inproc][split]") 
   CHECK(new_size == std::vector<int>{3, 3, 3, 3, 3, 3});
   CHECK(new_rank == std::vector<int>{2, 2, 1, 1, 0, 0});
   CHECK(again_size == std::vector<int>{3, 3, 3, 3, 3, 3});
+}
+
+TEST_CASE("a group's deadline saturates: a timeout of centuries waits, it does not expire at once", "[inproc][group]") {
+  // steady_clock's nanoseconds wrap for "now + 1e10 s": every wait would time out at once. Held
+  // at a century from now instead, which the clock and Gloo's milliseconds both still count.
+  const auto now = transport::clock::now();
+  const auto century = now + std::chrono::hours(24 * 36500);
+  for (auto d : {deadline_after(std::chrono::milliseconds(std::numeric_limits<long long>::max())),
+                 deadline_after(std::chrono::hours(24LL * 365 * 10000)), deadline_after(std::chrono::duration<double>(1e10)),
+                 deadline_after(std::chrono::duration<double>(std::numeric_limits<double>::infinity())),
+                 deadline_after(std::chrono::duration<double>(std::numeric_limits<double>::quiet_NaN()))}) {
+    CHECK(d > century);
+    CHECK(d < century + std::chrono::hours(24 * 365));
+    // what a layer beneath does with it: the time left, in its own unit, added to its own now
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(d - transport::clock::now());
+    CHECK(transport::clock::now() + left > century);
+  }
+  const auto soon_ = deadline_after(std::chrono::milliseconds(1500));
+  CHECK(soon_ > now + 1s);
+  CHECK(soon_ < now + 60s);
+  for (auto d : {deadline_after(-5s), deadline_after(std::chrono::milliseconds::min()),
+                 deadline_after(std::chrono::duration<double>(-1e300)),
+                 deadline_after(std::chrono::duration<double>(-std::numeric_limits<double>::infinity()))}) {
+    CHECK(d >= now);  // over already: now, not a wrapped time in the future or the far past
+    CHECK(d < now + 1s);
+  }
+  group_options o;
+  o.timeout = std::chrono::milliseconds(std::numeric_limits<long long>::max() / 2);
+  group<inproc> g(inproc(inproc::make_world(1), 0), o);
+  CHECK(g.deadline() > century);
+  // Ranks whose every wait has that deadline, and one of them late: the others wait for it.
+  std::vector<float> got(3, 0.0f);
+  run_inproc(3, [&](group<inproc>& h) {
+    if (h.rank() == 2) std::this_thread::sleep_for(50ms);
+    std::vector<float> v(1000, static_cast<float>(h.rank() + 1));
+    all_reduce(h, std::span<float>(v));
+    got[static_cast<std::size_t>(h.rank())] = v[999];
+  }, o);
+  for (float x : got) CHECK(x == 6.0f);
+}
+
+TEST_CASE("a group whose last reference goes with a task its own worker runs is destroyed cleanly", "[inproc][group]") {
+  // A completion callback that drops the last reference to its group (lockstep_torch's State,
+  // collected from its own hook): the group's state is then destroyed on its own worker thread,
+  // which can neither join itself nor take the lock it holds.
+  for (int round = 0; round < 20; ++round) {
+    auto g = std::make_shared<group<inproc>>(inproc(inproc::make_world(1), 0));
+    std::atomic<bool> ran{false};
+    std::promise<void> release;
+    std::shared_future<void> go = release.get_future().share();
+    // Even rounds drop the reference inside the task, odd ones when the finished task is destroyed.
+    request r = g->submit([keep = g, &ran, go, inside = round % 2 == 0]() mutable {
+      go.wait();
+      ran = true;
+      if (inside) keep.reset();
+    }, "self");
+    g.reset();  // from here the queued task holds the only reference
+    release.set_value();
+    CHECK(r.wait_for(10s));
+    CHECK(ran.load());
+  }
+  // Calls queued behind the one that dropped the last reference never run: they fail, they do
+  // not leave their waiters hanging.
+  auto g = std::make_shared<group<inproc>>(inproc(inproc::make_world(1), 0));
+  std::promise<void> release;
+  std::shared_future<void> go = release.get_future().share();
+  request first = g->submit([keep = g, go]() mutable {
+    go.wait();
+    keep.reset();
+  }, "drops the group");
+  request second = g->submit([] {}, "queued behind it");
+  g.reset();
+  release.set_value();
+  CHECK(first.wait_for(10s));
+  CHECK_THROWS_WITH(second.wait_for(10s), Catch::Contains("destroyed"));
 }

@@ -41,6 +41,12 @@ _plain_cuda_engines = {}  # (process group, device index) -> the CUDA engine of 
 
 def _group_of(process_group):
     if process_group is not None:
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise Error("lockstep_torch: this rank is not a member of the process group it was given "
+                        "(new_group returns a placeholder on the ranks it leaves out)")
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise Error("lockstep_torch: group must be a torch.distributed ProcessGroup, not "
+                        f"{type(process_group).__name__}")
         return process_group
     if not dist.is_initialized():
         raise Error("lockstep_torch: torch.distributed is not initialised (call init_process_group first)")
@@ -51,6 +57,21 @@ def _seconds(timeout):
     if isinstance(timeout, _datetime.timedelta):
         return timeout.total_seconds()
     return float(timeout)
+
+
+def _same_timeout(engine, timeout, rank):
+    # The engine's timeout is whole milliseconds, held at a century (policies.hpp's timeout_ms;
+    # the CUDA engine reports what it was given): compare both held there.
+    if timeout is None:
+        return
+    century = 36525 * 86400.0
+    asked = _seconds(timeout)
+    if not asked > 0:
+        raise Error(f"lockstep_torch: all_reduce on rank {rank}: timeout must be a positive number of seconds, not {asked}")
+    asked, have = min(asked, century), min(engine.timeout, century)
+    if abs(asked - have) > max(1e-3, 1e-9 * asked):
+        raise Error(f"lockstep_torch: all_reduce on rank {rank}: timeout {asked:g} s, but this group's is "
+                    f"{have:g} s, set by its first call (a group keeps one timeout)")
 
 
 def _engine(process_group, timeout, segment_bytes=0):
@@ -217,28 +238,33 @@ def allreduce_hook(state, bucket):
     return fut
 
 
-def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", timeout=300.0):
+def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", timeout=None):
     """Reduces a contiguous float32 tensor in place over `group` (default: the world) with
     lockstep's codec and topology; op is "sum" or "average". Returns the tensor. The first call on
-    a group takes its channel (see the module's note on order); `timeout` applies from then on.
+    a group takes its channel (see the module's note on order) and sets its timeout (seconds or a
+    timedelta; default 300 s), which every later call on that group keeps: a later call that names
+    another timeout raises Error rather than silently waiting for the first one's.
     A CUDA tensor is reduced in the order of torch's current stream (the first call on a group and
     device joins a communicator, on every rank); as with NCCL's all_reduce, its count is not
     checked across the ranks."""
     pg = _group_of(group)
+    first_timeout = 300.0 if timeout is None else timeout
     if tensor.is_cuda:
         index = _cuda_device(tensor.device, pg.rank())
         with _lock:  # held while the engine is made (a collective call): it is made once
             engine = _plain_cuda_engines.get((pg, index))
             if engine is None:
-                engine = _cuda_engine(pg, index, timeout, "all_reduce")
+                engine = _cuda_engine(pg, index, first_timeout, "all_reduce")
                 _plain_cuda_engines[(pg, index)] = engine
+        _same_timeout(engine, timeout, pg.rank())
         engine.all_reduce(tensor, torch.cuda.current_stream(tensor.device).cuda_stream, codec, topology, op)
         return tensor
     with _lock:
         engine = _plain_engines.get(pg)
     if engine is None:
-        engine = _engine(pg, timeout)
+        engine = _engine(pg, first_timeout)
         with _lock:
             _plain_engines[pg] = engine
+    _same_timeout(engine, timeout, pg.rank())
     engine.all_reduce(tensor, codec, topology, op)
     return tensor

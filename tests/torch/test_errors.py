@@ -6,7 +6,9 @@
   the transport alone: a message shorter than posted is errc::mismatch, never a truncation;
   settings that differ between the ranks (codec, topology, element count): both ranks fail with
   errc::mismatch naming both sides; a peer that never calls: errc::timeout after the State's
-  2-second timeout (last: a Gloo timeout closes the process group's connections).
+  2-second timeout (last: a Gloo timeout closes the process group's connections); a timeout of
+  inf or 1e10 s waits (no limit) instead of expiring at once; an Inf step under error feedback
+  leaves the later steps finite.
 """
 import time
 
@@ -48,6 +50,14 @@ def body(rank, world):
     x = torch.full((8,), float(rank + 1))
     lt.all_reduce(x)
     assert torch.equal(x, torch.full((8,), 3.0)), f"rank {rank}: all_reduce after the refusals gave {x}"
+    # The group keeps its first call's timeout: another one is refused, the same one is not.
+    expect(lambda: lt.all_reduce(torch.ones(8), timeout=2), "timeout 2 s", "300 s, set by its first call")
+    lt.all_reduce(torch.ones(8), timeout=300)
+    # Not a process group, or one this rank is not in: a clear Error, not pybind's TypeError.
+    expect(lambda: lt.all_reduce(torch.ones(8), group=object()), "ProcessGroup, not object")
+    solo = dist.new_group([0])
+    if rank == 1:
+        expect(lambda: lt.all_reduce(torch.ones(8), group=solo), "not a member of the process group")
 
     # A float64 DDP model: the hook refuses its bucket, and backward raises.
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -73,6 +83,25 @@ def body(rank, world):
     state.reset()
     assert state.residual_buckets() == {}
     assert collect(state, torch.ones(1200), 0) is None
+
+    # One overflowed step (the one a loss scaler skips) leaves no Inf or NaN in the residuals: the
+    # steps after it are finite again.
+    state = lt.State(codec="int8", error_feedback=True, topology="ring")
+    state.iteration = 1
+    bad = torch.ones(1000)
+    bad[7] = float("inf")
+    assert collect(state, bad, 3) is None and not torch.isfinite(bad).all()
+    for _ in range(2):
+        t = torch.ones(1000) * (rank + 1)
+        assert collect(state, t, 3) is None and torch.isfinite(t).all(), f"rank {rank}: after an Inf step: {t}"
+
+    # A timeout too large to count (inf, 1e10 s, timedelta.max) means no limit, not a wait that
+    # expires at once.
+    import datetime
+    for big in (float("inf"), 1e10, datetime.timedelta.max):
+        state = lt.State(codec="fp32", topology="ring", error_feedback=False, timeout=big)
+        t = torch.ones(64) * (rank + 1)
+        assert collect(state, t, -1) is None and torch.equal(t, torch.full((64,), 1.5)), f"rank {rank}: timeout {big}: {t}"
 
     # Settings that differ between the ranks: both ranks fail, naming what differs.
     for settings, needle in [

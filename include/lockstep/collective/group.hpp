@@ -22,13 +22,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>  // abi::__forced_unwind
+#endif
 
+#include "../core/deadline.hpp"
 #include "../core/error.hpp"
 #include "../transport/concept.hpp"
 #include "request.hpp"
@@ -99,7 +104,7 @@ class group {
   // group of a rank").
   void abort(const std::string& reason) { s_->t.abort(reason); }
 
-  transport::clock::time_point deadline() const { return transport::clock::now() + s_->opt.timeout; }
+  transport::clock::time_point deadline() const { return deadline_after(s_->opt.timeout); }
 
   // Runs `fn` in this group's order: inline when nothing is queued, else after the queue drains.
   // Called from inside a running collective (its epilogue), `fn` runs nested, at once.
@@ -199,15 +204,32 @@ class group {
   struct state {
     state(T tr, group_options o) : t(std::move(tr)), opt(o), space(make_space(t)) {}
     ~state() {
+      std::deque<task> orphans;
       {
         std::lock_guard lk(m);
         stop = true;
+        if (worker.joinable() && worker.get_id() == std::this_thread::get_id()) orphans.swap(q);
       }
       cv.notify_all();
-      if (worker.joinable()) worker.join();
+      if (!worker.joinable()) return;
+      if (worker.get_id() == std::this_thread::get_id()) {
+        // The last reference went with a task this worker ran (a completion callback that drops
+        // its group): the worker cannot join itself. It leaves its loop without touching this
+        // state again (loop_gone) and ends on its own. Calls queued behind that task will never
+        // run: their requests fail now rather than wait for ever.
+        for (task& t : orphans)
+          t.st->finish(std::make_exception_ptr(
+              error(errc::aborted, "group", -1, -1, "the group was destroyed (its last reference dropped by a call it ran) before this call ran")));
+        if (loop_gone) *loop_gone = true;
+        worker.detach();
+      } else {
+        worker.join();
+      }
     }
     void loop() {
+      bool gone = false;
       std::unique_lock lk(m);
+      loop_gone = &gone;
       for (;;) {
         cv.wait(lk, [&] { return stop || (!q.empty() && !busy); });
         if (q.empty()) return;
@@ -219,10 +241,23 @@ class group {
         std::exception_ptr e;
         try {
           tk.fn();
+#if defined(__GLIBCXX__)
+        } catch (abi::__forced_unwind&) {
+          // The thread is being cancelled or is exiting (pthread_exit: an interpreter that
+          // finalises while a task waits for its lock): that unwind must go on, or the process
+          // aborts. The task is left undestroyed: its captures may need that interpreter to die
+          // (a Python callable), and a second exit inside a destructor mid-unwind terminates.
+          (void)new task(std::move(tk));
+          throw;
+#endif
         } catch (...) {
           e = std::current_exception();
         }
         tk.st->finish(e);
+        // The task's captures go now, with the lock free: dropping the last reference to this
+        // group here destroys this state (see ~state), after which nothing of it may be touched.
+        tk = task{};
+        if (gone) return;
         lk.lock();
         busy = false;
         runner = std::thread::id{};
@@ -238,6 +273,7 @@ class group {
     std::deque<task> q;
     bool busy = false, stop = false;
     std::thread worker;
+    bool* loop_gone = nullptr;  // the worker's flag: this state was destroyed on the worker itself
     std::atomic<std::thread::id> runner{};
     std::size_t depth = 0;
     std::deque<memory> scratch;  // (nesting depth)

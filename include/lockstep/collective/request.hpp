@@ -22,6 +22,7 @@
 #include <thread>
 #include <utility>
 
+#include "../core/deadline.hpp"
 #include "../core/error.hpp"
 
 namespace lockstep {
@@ -101,7 +102,7 @@ struct stream_request final : pending {
     return true;
   }
   void wait() override {
-    if (wait_until(std::chrono::steady_clock::now() + timeout)) return;
+    if (wait_until(deadline_after(timeout))) return;
     const std::string why = "the stream did not finish within " + std::to_string(timeout.count()) +
                             " ms (a peer that never posted its side stalls the stream)";
     if (abort) abort(why);
@@ -124,8 +125,7 @@ class request {
   // false if the collective is still running after `d`.
   template <class Rep, class Period>
   bool wait_for(std::chrono::duration<Rep, Period> d) {
-    return !s_ || s_->wait_until(std::chrono::steady_clock::now() +
-                                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(d));
+    return !s_ || s_->wait_until(deadline_after(d));
   }
 
  private:

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <thread>
 
+#include "deadline.hpp"
 #include "error.hpp"
 
 namespace lockstep {
@@ -68,7 +69,7 @@ class host_stream {
     return done;
   }
   void synchronize() {
-    if (!synchronize(std::chrono::steady_clock::now() + limit_))
+    if (!synchronize(deadline_after(limit_)))
       throw error(errc::timeout, "host_stream", -1, -1, "work did not finish within the stream's wait limit");
   }
   // The sticky error, if any (cudaStreamQuery / cudaGetLastError).
@@ -202,7 +203,7 @@ class host_event {
     }
     t.enqueue([st = s_, gen, limit = t.wait_limit()] {
       std::unique_lock lk(st->m);
-      if (!st->cv.wait_for(lk, limit, [&] { return st->reached >= gen; }))
+      if (!st->cv.wait_until(lk, deadline_after(limit), [&] { return st->reached >= gen; }))
         throw error(errc::timeout, "host_stream", -1, -1,
                     "a stream waited " + std::to_string(limit.count()) + " ms for an event of another stream");
     });

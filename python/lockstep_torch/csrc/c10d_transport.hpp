@@ -69,6 +69,7 @@
 #include <utility>
 #include <vector>
 
+#include <lockstep/core/deadline.hpp>
 #include <lockstep/core/error.hpp>
 #include <lockstep/transport/concept.hpp>
 
@@ -358,9 +359,11 @@ class c10d_transport {
   // Waits for one c10d work until the deadline: false when it ran out, errc::transport on errors.
   bool finish(c10::intrusive_ptr<c10d::Work>& w, lt::clock::time_point deadline, const char* op, int peer) {
     using std::chrono::milliseconds;
-    // Gloo's wait takes milliseconds and treats 0 as "now": at least 1 ms, rounded up.
+    // Gloo's wait takes milliseconds and treats 0 as "now": at least 1 ms, rounded up; at most a
+    // century (lockstep::longest_wait), as Gloo adds it to its own now() in nanoseconds (a
+    // deadline at the clock's end, passed straight in, would wrap there).
     const auto left = std::chrono::ceil<milliseconds>(deadline - lt::clock::now());
-    const milliseconds ms = std::max(left, milliseconds(1));
+    const milliseconds ms = std::clamp(left, milliseconds(1), std::chrono::duration_cast<milliseconds>(lockstep::longest_wait));
     bool ok = false;
     try {
       ok = w->wait(ms);

@@ -51,8 +51,21 @@ struct py_callback {
   py::object fn;
   explicit py_callback(py::object f) : fn(std::move(f)) {}
   ~py_callback() {
+    // While the interpreter finalises, taking the GIL ends this thread (pthread_exit), here in a
+    // destructor: std::terminate. The reference is leaked instead; the process is ending.
+    if (interpreter_finalizing()) {
+      (void)fn.release();
+      return;
+    }
     py::gil_scoped_acquire gil;
     fn = py::object();
+  }
+  static bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
   }
 };
 
@@ -163,7 +176,7 @@ inline void exchange(c10::intrusive_ptr<c10d::ProcessGroup> pg, int channel, int
   for (std::size_t i = 0; i < send_bytes; ++i) out[i] = static_cast<std::byte>(i % 251);
   auto r = t.irecv(peer, tag, in.data(), in.size());
   auto s = t.isend(peer, tag, out.data(), out.size());
-  const auto deadline = lt::clock::now() + std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
+  const auto deadline = ls::deadline_after(timeout_ms(timeout_s));
   if (!t.wait(s, deadline) || !t.wait(r, deadline))
     throw ls::error(ls::errc::timeout, "exchange", t.rank(), peer, "no message within the timeout");
   for (std::size_t i = 0; i < recv_bytes; ++i)

@@ -8,6 +8,7 @@
 // written once.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -64,6 +65,14 @@ inline ls::reduce_op parse_op(const std::string& op, int rank) {
   throw ls::error(ls::errc::invalid_argument, "lockstep_torch", rank, -1, "unknown op '" + op + "' (sum, average)");
 }
 
+// Seconds (> 0, inf allowed) as milliseconds, held at lockstep::longest_wait (a century: no
+// limit, as asked; float("inf") and timedelta.max would overflow the count), where the group's
+// deadline holds them too (core/deadline.hpp).
+inline std::chrono::milliseconds timeout_ms(double timeout_s) {
+  const double most_ms = std::chrono::duration<double, std::milli>(ls::longest_wait).count();
+  return std::chrono::milliseconds(static_cast<long long>(std::min(timeout_s * 1000.0 + 0.5, most_ms)));
+}
+
 // A group's options from lockstep_torch's settings: the timeout in seconds, the segment (0: the
 // transport's).
 inline ls::group_options group_options_for(double timeout_s, std::size_t segment_bytes = 0) {
@@ -71,7 +80,7 @@ inline ls::group_options group_options_for(double timeout_s, std::size_t segment
     throw ls::error(ls::errc::invalid_argument, "lockstep_torch", -1, -1,
                     "timeout must be a positive number of seconds, not " + std::to_string(timeout_s));
   ls::group_options o;
-  o.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000.0 + 0.5));
+  o.timeout = timeout_ms(timeout_s);
   o.segment_bytes = segment_bytes;
   return o;
 }
