@@ -83,6 +83,18 @@ TEST_CASE("the schemes' rounds cover every row once", "[parallel][scheme]") {
   }
 }
 
+// ASan under either compiler (GCC defines the first, clang answers the second).
+#if defined(__SANITIZE_ADDRESS__)
+#define LOCKSTEP_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOCKSTEP_TEST_ASAN 1
+#endif
+#endif
+#ifndef LOCKSTEP_TEST_ASAN
+#define LOCKSTEP_TEST_ASAN 0
+#endif
+
 TEST_CASE("ranks configured differently fail on every rank with a mismatch, within seconds", "[parallel][errors]") {
   group_options quick;
   quick.timeout = 3000ms;
@@ -124,7 +136,17 @@ TEST_CASE("ranks configured differently fail on every rank with a mismatch, with
       }
     });
     CHECK(code == errc::mismatch);
-    CHECK_THAT(what, Catch::Contains("activation codec"));
+    // The descriptor holds fingerprints; the reporting rank names its own codec, block included.
+    CHECK_THAT(what, Catch::Contains("activation codec") &&
+                         (Catch::Contains("this rank (0) uses int8 (block") || Catch::Contains("this rank (1) uses dyntree8 (block")));
+  }
+  SECTION("activation codecs that differ only in their block") {
+    auto [code, what] = failure(2, [&](inproc_group& g) {
+      parallel::column_linear<parallel::gather_all, transport::inproc, codec::int8> fc(g, 6, 5, codec::int8{g.rank() == 0 ? 512u : 64u});
+      fwd(fc);
+    });
+    CHECK(code == errc::mismatch);
+    CHECK_THAT(what, Catch::Contains("uses int8 (block 512)") || Catch::Contains("uses int8 (block 64)"));
   }
   SECTION("shapes") {
     auto [code, what] = failure(4, [&](inproc_group& g) {
@@ -162,6 +184,58 @@ TEST_CASE("ranks configured differently fail on every rank with a mismatch, with
       CHECK_THROWS_WITH((parallel::column_linear<parallel::by_rank, transport::inproc>(g, 0, 4)),
                         Catch::Contains("both dimensions must be positive"));
     }, quick);
+  }
+#if !LOCKSTEP_TEST_ASAN  // ASan stops the process at an allocation of terabytes
+  SECTION("a rank that claims terabytes of rows fails clearly, and so do the others") {
+    // The rank of a row-split layer with one input feature that holds no input rows: no size check
+    // of its own catches a wrong row count, and its workspaces cannot be allocated. 2^45 rows x 4
+    // outputs are 512 TiB, more than a process can map (47-bit addresses) whatever the overcommit.
+    std::vector<std::string> seen(2);
+    std::vector<bool> empty(2);
+    run_inproc(2, [&](inproc_group& g) {
+      parallel::row_linear<parallel::gather_all, transport::inproc> fc(g, 1, 4);
+      empty[static_cast<std::size_t>(g.rank())] = fc.in_rows() == 0;
+      const std::size_t rows = fc.in_rows() == 0 ? std::size_t{1} << 45 : 2;
+      std::vector<float> h(fc.in_rows() * 4);
+      try {
+        fc.forward(std::span<const float>(h), rows, std::span<const float>(w).first(fc.in_rows() * 4), naive_gemm);
+        seen[static_cast<std::size_t>(g.rank())] = "no error";
+      } catch (const error& e) {
+        seen[static_cast<std::size_t>(g.rank())] = e.what();
+      }
+    }, quick);
+    REQUIRE(empty[0] != empty[1]);
+    const std::size_t liar = empty[0] ? 0 : 1;
+    CHECK_THAT(seen[1 - liar], Catch::Contains("row_linear"));
+    CHECK_THAT(seen[liar], Catch::Contains("cannot allocate the workspaces of a batch of 35184372088834 rows"));
+  }
+#endif
+  SECTION("a backward after a forward that failed does not go back over its rows") {
+    // Every rank's matmul fails alike, so nothing aborts the group: the layer itself must refuse
+    // the backward (it used to run it over the rows gathered before the failure, and over the
+    // batch of the forward before).
+    std::vector<std::string> seen(2);
+    run_inproc(2, [&](inproc_group& g) {
+      parallel::column_linear<parallel::by_slice, transport::inproc> fc(g, 6, 4);
+      fwd(fc);  // a good forward first: its batch must not survive the failed one
+      int calls = 0;
+      try {
+        fc.forward(std::span<const float>(x), std::span<const float>(w).first(6 * fc.cols()), [&](const parallel::gemm_args& a) {
+          if (++calls == 1) throw std::runtime_error("the caller's matmul failed");
+          naive_gemm(a);
+        });
+      } catch (const std::runtime_error&) {
+      }
+      std::vector<float> dy(4 * fc.cols()), dw(6 * fc.cols()), dx(2 * 6);
+      try {
+        fc.backward(std::span<const float>(dy), std::span<const float>(w).first(6 * fc.cols()), std::span<float>(dw),
+                    std::span<float>(dx), naive_gemm);
+        seen[static_cast<std::size_t>(g.rank())] = "no error";
+      } catch (const error& e) {
+        seen[static_cast<std::size_t>(g.rank())] = e.what();
+      }
+    }, quick);
+    for (const auto& s : seen) CHECK_THAT(s, Catch::Contains("after a forward that failed"));
   }
   CHECK(std::chrono::steady_clock::now() - t0 < 20s);
 }

@@ -82,18 +82,21 @@ batch exchange_batch(G& g, const T& topo, const layer_config& cfg, std::size_t m
 
   // Compare every rank with rank 0, in field order, so every rank reports the same disagreement.
   for (std::size_t k = 1; k < K; ++k) {
-    auto fail = [&](const std::string& what, const std::string& here, const std::string& there) {
-      throw error(errc::mismatch, cfg.label, g.rank(), static_cast<int>(k),
+    // The pair that disagrees is (0, k): from rank k the peer is rank 0.
+    const int peer = g.rank() == static_cast<int>(k) ? 0 : static_cast<int>(k);
+    auto fail = [&](const std::string& what, const std::string& here, const std::string& there, const std::string& note = {}) {
+      throw error(errc::mismatch, cfg.label, g.rank(), peer,
                   "ranks configured the layer differently: " + what + " " + here + " on rank 0, " + there + " on rank " +
-                      std::to_string(k));
+                      std::to_string(k) + note);
     };
     if (field(k, d_magic) != field(0, d_magic)) fail("descriptor", "valid", "not a layer descriptor");
     if (field(k, d_kind) != field(0, d_kind))
       fail("layer", field(0, d_kind) == 1 ? "column-split" : "row-split", field(k, d_kind) == 1 ? "column-split" : "row-split");
     if (field(k, d_scheme) != field(0, d_scheme)) fail("scheme", scheme_name(field(0, d_scheme)), scheme_name(field(k, d_scheme)));
     if (field(k, d_codec) != field(0, d_codec))
-      fail("activation codec", "fingerprint " + std::to_string(field(0, d_codec)),
-           "fingerprint " + std::to_string(field(k, d_codec)) + " (this rank: " + cfg.codec_name + ")");
+      // The descriptor carries the codec's fingerprint only: this rank names its own codec.
+      fail("activation codec", "fingerprint " + std::to_string(field(0, d_codec)), "fingerprint " + std::to_string(field(k, d_codec)),
+           "; this rank (" + std::to_string(g.rank()) + ") uses " + cfg.codec_name);
     if (wide(k, d_in_lo) != wide(0, d_in_lo) || wide(k, d_out_lo) != wide(0, d_out_lo))
       fail("shape (in x out)", std::to_string(wide(0, d_in_lo)) + " x " + std::to_string(wide(0, d_out_lo)),
            std::to_string(wide(k, d_in_lo)) + " x " + std::to_string(wide(k, d_out_lo)));

@@ -24,6 +24,7 @@
 // are complete in that stream's order (parallel/lanes.hpp).
 #pragma once
 
+#include <new>
 #include <span>
 #include <vector>
 
@@ -55,16 +56,24 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
     const std::size_t in = this->in(), n = cols();
     const std::size_t rows = this->rows_of(x.size(), in, "input x");
     this->expect({{w.size(), in, n, this->w_name()}});
-    this->b_ = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
-    const std::size_t B = this->b_.total();
+    // The batch is the layer's only once the forward is through: a backward after a forward that
+    // failed (every rank alike, so nothing aborted) must not go back over half-gathered rows.
+    this->b_ = {};
+    batch b = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
+    const std::size_t B = b.total();
     auto lanes = this->make_lanes();
-    x_all_.resize(this->g_, B * in);
-    y_.resize(this->g_, B * n);
-    detail::gather_rows(this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), in, x,
-                        x_all_.span(), n, y_.span(), [&](const float* xr, std::size_t m, float* yr) {
-                          lanes.gemm(mm, {false, false, m, n, in, xr, in, w.data(), n, 0.0f, yr, n});
-                        });
+    try {  // the workspaces: X and Y here, the rounds' staging in gather_rows
+      x_all_.resize(this->g_, B * in);
+      y_.resize(this->g_, B * n);
+      detail::gather_rows(this->g_, lanes, this->topo_, this->codec_, b, S::rounds(b.rows), in, x, x_all_.span(), n,
+                          y_.span(), [&](const float* xr, std::size_t m, float* yr) {
+                            lanes.gemm(mm, {false, false, m, n, in, xr, in, w.data(), n, 0.0f, yr, n});
+                          });
+    } catch (const std::bad_alloc&) {
+      this->batch_too_large(B, rows);
+    }
     lanes.leave();
+    this->b_ = std::move(b);
     return y_.span();
   }
 

@@ -85,7 +85,10 @@ class layer_base {
  protected:
   layer_base(group<Tr>& g, layer_kind kind, const char* name, std::size_t in, std::size_t out, std::size_t split, C codec, T topo)
       : g_(g), codec_(codec), topo_(topo) {
-    cfg_ = {kind, S::id, codec_.id(), std::string(codec_.name()), in, out,
+    // The codec as a mismatch names it: its block too (int8 with blocks of 512 and of 64 differ).
+    const std::string codec_desc =
+        std::string(codec_.name()) + (codec_.block() > 1 ? " (block " + std::to_string(codec_.block()) + ")" : "");
+    cfg_ = {kind, S::id, codec_.id(), codec_desc, in, out,
             std::string(name) + "(" + S::name() + ", " + std::string(codec_.name()) + ")"};
     if (in == 0 || out == 0)
       throw error(errc::invalid_argument, cfg_.label, g.rank(), -1,
@@ -134,7 +137,17 @@ class layer_base {
   }
   void need_forward() const {
     if (b_.first.empty())
-      throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1, "backward before any forward: no batch to go back over");
+      throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1,
+                  "backward before any forward, or after a forward that failed: no batch to go back over");
+  }
+  // A batch whose workspaces cannot be allocated (a rank that claimed absurd row counts): this
+  // layer's error with the sizes, told to the group, whose other ranks wait in its collectives.
+  [[noreturn]] void batch_too_large(std::size_t total_rows, std::size_t my_rows) {
+    const std::string why = "cannot allocate the workspaces of a batch of " + std::to_string(total_rows) +
+                            " rows (" + std::to_string(my_rows) + " on this rank; " + std::to_string(cfg_.in) + " in, " +
+                            std::to_string(cfg_.out) + " out), or a product ran out of memory";
+    g_.abort(cfg_.label + " on rank " + std::to_string(g_.rank()) + ": " + why);
+    throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1, why);
   }
 
   // One call's lanes (parallel/lanes.hpp); construct after the batch exchange, before workspaces grow.

@@ -15,6 +15,7 @@
 // group the calls enqueue, as column_linear's do.
 #pragma once
 
+#include <new>
 #include <span>
 #include <vector>
 
@@ -44,18 +45,24 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
   std::span<float> forward(std::span<const float> h, std::size_t rows, std::span<const float> w, M&& mm) {
     const std::size_t m_k = in_rows(), out = this->out();
     this->expect({{w.size(), m_k, out, this->w_name()}});
-    this->b_ = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
-    const std::size_t B = this->b_.total();
+    this->b_ = {};  // the layer's once the forward is through (column_linear::forward)
+    batch b = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
+    const std::size_t B = b.total();
     this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"}});
     auto lanes = this->make_lanes();
-    y_.resize(this->g_, rows * out);
-    detail::reduce_rows(
-        this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), m_k, h, out, y_.span(),
-        [&](const float* hr, std::size_t m, float* p) {  // partial Y rows = H_k rows · W_k
-          lanes.gemm(mm, {false, false, m, out, m_k, hr, m_k, w.data(), out, 0.0f, p, out});
-        },
-        [] {});
+    try {  // the workspaces: Y here, the rounds' staging in reduce_rows
+      y_.resize(this->g_, rows * out);
+      detail::reduce_rows(
+          this->g_, lanes, this->topo_, this->codec_, b, S::rounds(b.rows), m_k, h, out, y_.span(),
+          [&](const float* hr, std::size_t m, float* p) {  // partial Y rows = H_k rows · W_k
+            lanes.gemm(mm, {false, false, m, out, m_k, hr, m_k, w.data(), out, 0.0f, p, out});
+          },
+          [] {});
+    } catch (const std::bad_alloc&) {
+      this->batch_too_large(B, rows);
+    }
     lanes.leave();
+    this->b_ = std::move(b);
     return y_.span();
   }
 
