@@ -9,6 +9,7 @@
 // Failures are CHECKs, not REQUIREs, so that a rank that fails one still takes part in the
 // collectives that follow and the others do not wait for it until their timeout.
 #include <lockstep/lockstep.hpp>
+#include <lockstep/transport/counting.hpp>
 #include <lockstep/transport/mpi.hpp>
 
 #include "../collective_bounds.hpp"
@@ -229,6 +230,54 @@ TEST_CASE("4 Mi elements over mpi: fp32 exact, dyntree8 bounded, ring and torus"
   // Chunks of several segments: the fan-in's landing slots per peer and segment.
   all_reduce_case<codec::fp32>(g, topology::direct{}, big + 5, reduce_op::sum);
   all_reduce_case<codec::dyntree8>(g, topology::direct{}, big + 5, reduce_op::sum);
+}
+
+TEST_CASE("over shared memory a reduce step's sums go straight into the next step's messages, exactly", "[mpi][collective][needs_shm]") {
+  using counted = transport::counting<transport::mpi>;
+  group_options o;
+  o.timeout = 60s;
+  group<counted> g(counted(transport::mpi(MPI_COMM_WORLD)), o);
+  const int n = g.size();
+  if (n > 1 && g.transport().inner().shared_memory_peers() == 0) FAIL("shared memory is off: " << g.transport().inner().shared_memory_note());
+  auto run = [&](const auto& topo, std::size_t count) {
+    std::vector<float> v(count);
+    for (std::size_t i = 0; i < count; ++i) v[i] = input(g.rank(), i, true);
+    codec::fp32 c;
+    g.transport().reset();
+    all_reduce(g, std::span<float>(v), topo, c);
+    const auto filled = g.transport().sent().filled;
+    bool exact_sum = true;
+    for (std::size_t i = 0; i < count && exact_sum; ++i) {
+      double want = 0;
+      for (int r = 0; r < n; ++r) want += input(r, i, true);
+      exact_sum = static_cast<double>(v[i]) == want;
+    }
+    CHECK(exact_sum);
+    return filled;
+  };
+  // 1 MiB: every partial sum a ring's reduce-scatter passes on (all its steps but the last) fits
+  // the 2 MiB ring whole, as does halving-doubling's quarter at 4 ranks; at 2 ranks no step
+  // passes a sum on.
+  const std::size_t mib = std::size_t{1} << 18;
+  CHECK(run(topology::ring{}, mib) == static_cast<std::uint64_t>(std::max(n - 2, 0)));
+  if (n == 4) CHECK(run(topology::halving_doubling{}, mib) == 1);
+  if (n <= 2) CHECK(run(topology::halving_doubling{}, mib) == 0);
+  // Prime counts, tiny and past a segment per chunk (where a fill may find no room and the rest
+  // of the step goes the usual way), on every topology that reduces in steps.
+  for (std::size_t count : {std::size_t{7}, std::size_t{1000003}}) {
+    INFO("count " << count);
+    run(topology::ring{}, count);
+    run(topology::torus2d{}, count);
+    run(topology::halving_doubling{}, count);
+    run(topology::direct{}, count);
+  }
+  // The fills are counted as data like any send: the same bytes on the wire as through MPI.
+  std::vector<float> v(mib, 1.0f);
+  codec::fp32 c;
+  g.transport().reset();
+  all_reduce(g, std::span<float>(v), topology::ring{}, c);
+  const std::uint64_t want_bytes = n > 1 ? 2 * static_cast<std::uint64_t>(n - 1) * (mib * sizeof(float) / static_cast<std::uint64_t>(n)) : 0;
+  if (mib % static_cast<std::size_t>(n) == 0) CHECK(g.transport().sent().bytes == want_bytes);
 }
 
 TEST_CASE("results over mpi are the same from run to run", "[mpi][collective]") {

@@ -200,6 +200,80 @@ TEST_CASE("mpi over shared memory lets a receive for a later tag pass an earlier
   REQUIRE(t.wait(sb, soon()));
 }
 
+TEST_CASE("mpi over shared memory writes a filled send straight into the ring, in order, or refuses it", "[mpi][shm][needs_shm]") {
+  const int n = peers_or_skip();
+  if (!n) return;
+  // 64 KiB rings, every message to `next` on tag 11: fills and plain sends interleave in order.
+  mpi t(MPI_COMM_WORLD, mpi_options{true, 64 << 10});
+  if (!on_shared_memory(t)) return;  // MPI carries nothing filled: try_isend_fill refuses every peer
+  const int next = (t.rank() + 1) % n, prev = (t.rank() + n - 1) % n;
+  auto fill_with = [](const std::vector<std::uint8_t>& src) {
+    return [&src](std::byte* dst) { std::memcpy(dst, src.data(), src.size()); };
+  };
+  std::vector<std::vector<std::uint8_t>> out, in;
+  std::vector<mpi::request> sends;
+  const std::vector<std::size_t> sizes{0, 13, 4096, 8, 40000, 1, 20001};
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    out.push_back(pattern(t.rank(), sizes[k], 50 + static_cast<int>(k)));
+    in.emplace_back(sizes[k], 0xee);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<mpi::request> recvs;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    // Received as they come, so that each fill finds room: even ones filled, odd ones plain.
+    recvs.push_back(t.irecv(prev, 11, in[k].data(), in[k].size()));
+    if (k % 2 == 0) {
+      auto f = t.try_isend_fill(next, 11, out[k].size(), fill_with(out[k]));
+      REQUIRE(f.has_value());
+      CHECK(f->done());  // complete at once: the bytes are in the ring
+      sends.push_back(std::move(*f));
+    } else {
+      sends.push_back(t.isend(next, 11, out[k].data(), out[k].size()));
+    }
+    REQUIRE(t.wait(recvs[k], soon()));
+    CHECK(in[k] == pattern(prev, sizes[k], 50 + static_cast<int>(k)));
+  }
+  for (auto& s : sends) REQUIRE(t.wait(s, soon()));
+  MPI_Barrier(MPI_COMM_WORLD);
+
+  // Refused, with nothing sent: a message larger than the ring; one behind a plain send still
+  // queued (the ring is smaller than it); one for which the room is short. Then what was sent
+  // arrives whole and in order, and a fill after it too.
+  const auto big = pattern(t.rank(), 100000, 60), huge = pattern(t.rank(), 70000, 61), small = pattern(t.rank(), 24, 62);
+  CHECK_FALSE(t.try_isend_fill(next, 12, huge.size(), fill_with(huge)).has_value());
+  std::vector<mpi::request> first;
+  // Nobody reads yet: of four 20 KB fills a 64 KiB ring takes three, or two where the first must
+  // skip to the ring's start (a message never wraps), never four.
+  const auto part = pattern(t.rank(), 20000, 63);
+  int filled = 0;
+  for (int k = 0; k < 4; ++k) {
+    auto f = t.try_isend_fill(next, 12, part.size(), fill_with(part));
+    if (f) first.push_back(std::move(*f)), ++filled;
+  }
+  CHECK(filled >= 2);
+  CHECK(filled <= 3);
+  auto queued = t.isend(next, 12, big.data(), big.size());  // streams: most of it waits for room
+  CHECK_FALSE(t.try_isend_fill(next, 12, small.size(), fill_with(small)).has_value());
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<std::uint8_t> got_part(part.size()), got_big(big.size()), got_small(small.size());
+  for (int k = 0; k < filled; ++k) {
+    std::fill(got_part.begin(), got_part.end(), 0);
+    auto r = t.irecv(prev, 12, got_part.data(), got_part.size());
+    REQUIRE(t.wait(r, soon()));
+    CHECK(got_part == pattern(prev, part.size(), 63));
+  }
+  auto rb = t.irecv(prev, 12, got_big.data(), got_big.size());
+  REQUIRE(t.wait(rb, soon()));
+  CHECK(got_big == pattern(prev, big.size(), 60));
+  REQUIRE(t.wait(queued, soon()));
+  auto rs = t.irecv(prev, 12, got_small.data(), got_small.size());
+  auto f = t.try_isend_fill(next, 12, small.size(), fill_with(small));
+  REQUIRE(f.has_value());
+  REQUIRE(t.wait(rs, soon()));
+  CHECK(got_small == pattern(prev, small.size(), 62));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST_CASE("mpi over shared memory: a withdrawn message is an error, and the ring goes on", "[mpi][shm][needs_shm]") {
   const int n = peers_or_skip();
   if (!n) return;

@@ -185,6 +185,13 @@ class schedule_run {
   // has no copy_final (CUDA) the executor does not look for them.
   static constexpr bool streams_final_copies =
       requires(space_type& sp, void* d, const void* src, std::size_t b) { sp.copy_final(d, src, b); };
+  // Whether a reduce step's sums can go straight to the next step's send (mark_forwards): fp32, a
+  // transport that lets a send's payload be written in its own buffer (the mpi transport to a peer
+  // on its node), and a space that adds into a third place (the host).
+  static constexpr bool fills_sends =
+      identity &&
+      requires(T& t, std::uint32_t tag, std::size_t b) { t.try_isend_fill(0, tag, b, [](std::byte*) {}); } &&
+      requires(const space_type& sp, float* d, const std::byte* w, std::size_t n, const float* a) { sp.sum_into(d, w, n, a); };
 
   // A piece of a chunk that travels as one message.
   struct segment {
@@ -211,6 +218,7 @@ class schedule_run {
     seq_ = g_.next_sequence();
     lay_out_wire();
     mark_final_copies();
+    mark_forwards();
     try {
       post_headers();
       if (op_.kind == op_kind::broadcast && rank_ == op_.root) finalize_broadcast_root();
@@ -315,6 +323,49 @@ class schedule_run {
     }
   }
 
+  // The reduce steps whose received partial sums the next step sends on and this rank never reads
+  // again: a ring's reduce-scatter but its last step, halving-doubling's halves. Their sums go
+  // straight into the next step's message where the transport can take it (fills_sends), rather
+  // than into the buffer and then, copied, into the message: one write and one read of each value
+  // fewer (NCCL's recvReduceSend). What the buffer then holds there is not a result: the all-gather
+  // overwrites it, and a reduce_scatter's other chunks are not meant to be read.
+  void mark_forwards() {
+    forward_.clear();
+    if constexpr (fills_sends) {
+      const auto& steps = s_.steps;
+      forward_.assign(steps.size(), false);
+      for (std::size_t si = 0; si + 1 < steps.size(); ++si) {
+        const topology::step& st = steps[si];
+        const topology::step& nx = steps[si + 1];
+        auto plain_reduce = [](const topology::step& x) {
+          return x.phase == topology::phase::reduce_scatter && x.act == topology::action::reduce && !topology::is_exchange(x);
+        };
+        if (st.recv_peer < 0 || !plain_reduce(st) || fan_in_end(si) != si + 1) continue;
+        if (nx.send_peer < 0 || nx.phase != topology::phase::reduce_scatter || topology::is_exchange(nx) ||
+            fan_in_end(si + 1) != si + 2 || nx.send.empty() || nx.send.first < st.recv.first || nx.send.end() > st.recv.end())
+          continue;
+        if (owns() && nx.send.overlaps(s_.owned)) continue;
+        // Every chunk sent on must be overwritten (a copy step) before anything reads it again.
+        bool unread = true;
+        for (std::uint32_t c = nx.send.first; c < nx.send.end() && unread; ++c) {
+          const topology::chunk_span one{c, 1};
+          for (std::size_t j = si + 2; j < steps.size(); ++j) {
+            const topology::step& later = steps[j];
+            if (later.send_peer >= 0 && later.send.overlaps(one)) {
+              unread = false;
+              break;
+            }
+            if (later.recv_peer >= 0 && later.recv.overlaps(one)) {
+              if (later.act != topology::action::copy || topology::is_exchange(later)) unread = false;
+              break;
+            }
+          }
+        }
+        forward_[si] = unread;
+      }
+    }
+  }
+
   // Headers to every peer we send to, from every peer we receive from; checked before anything of
   // ours changes (check_headers).
   void post_headers() {
@@ -370,15 +421,24 @@ class schedule_run {
     send_reqs_.clear();
     recv_reqs_.clear();
     posted_ = false;
+    // The first sends of this step may have gone out already, filled by the previous step's adds.
+    const std::size_t sent_before = forwarded_.size();
+    for (auto& r : forwarded_) send_reqs_.push_back(std::move(r));
+    forwarded_.clear();
+    forward_open_ = false;
     group_begin();
     if (headers_checked_) post_receives(st);
     const std::size_t ahead = pipeline::sends_ahead(identity, sends_.size(), space_type::ordered);
     std::size_t received = 0;
     for (std::size_t k = 0; k < sends_.size(); ++k) {
-      send_segment(st, sends_[k]);
+      if (k >= sent_before) send_segment(st, sends_[k]);
       while (received < recvs_.size() && received + ahead <= k) receive(st, si, received++);
     }
     group_end();
+    // Only now, with every send of this step posted: the next step's messages to the same peer
+    // must follow them. They go as a prefix of its sends, in order; the first that does not fit
+    // closes the run.
+    forward_open_ = !forward_.empty() && forward_[si];
     while (received < recvs_.size()) receive(st, si, received++);
     check_headers();
     wait_sends(st, si);
@@ -432,11 +492,35 @@ class schedule_run {
     else recv_copy(st, si, k);
   }
 
-  // The peer's partial sum, added into ours where the transport holds it.
+  // The peer's partial sum, added into ours where the transport holds it, or, where the next step
+  // sends it on (mark_forwards), straight into that message.
   void recv_reduce(const topology::step& st, std::size_t si, std::size_t k) {
     const segment& sg = recvs_[k];
-    if (!t_.consume(recv_reqs_[k], g_.deadline(), [&](const std::byte* data) { sp_.decode_add(codec_, data, sg.len, x_ + sg.lo); }))
+    if (!t_.consume(recv_reqs_[k], g_.deadline(), [&](const std::byte* data) {
+          if (!forward_sum(si, sg, data)) sp_.decode_add(codec_, data, sg.len, x_ + sg.lo);
+        }))
       throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si, st.recv_peer));
+  }
+
+  // Our values plus the peer's, written as the next step's message for this segment; false where
+  // that step does not send it, or the transport cannot take it whole now (sent the usual way then).
+  bool forward_sum(std::size_t si, const segment& sg, const std::byte* data) {
+    if constexpr (fills_sends) {
+      if (!forward_open_) return false;
+      const topology::step& nx = s_.steps[si + 1];
+      if (sg.chunk < nx.send.first || sg.chunk >= nx.send.end()) return false;
+      auto q = t_.try_isend_fill(nx.send_peer, tag(), msg_bytes(sg.len),
+                                 [&](std::byte* dst) { sp_.sum_into(reinterpret_cast<float*>(dst), data, sg.len, x_ + sg.lo); });
+      if (!q) {
+        forward_open_ = false;
+        return false;
+      }
+      forwarded_.push_back(std::move(*q));
+      return true;
+    } else {
+      (void)si, (void)sg, (void)data;
+      return false;
+    }
   }
 
   // Final values: copied into place (where a plain receive would have put them) unless they are
@@ -655,6 +739,8 @@ class schedule_run {
   std::size_t landing_off_ = 0;    // where an exchange's received image lies, past wire_off_'s
   std::vector<bool> replicated_;   // (chunk) an exchange left it equal on two ranks: no residual
   std::vector<bool> final_copy_;   // (step) received values this rank never sends on; empty: none
+  std::vector<bool> forward_;      // (step) its sums go straight into the next step's sends; empty: none
+  bool forward_open_ = false;      // this step's adds may still fill the next step's sends
   std::size_t fan_off_ = 0;        // where a fan-in's second and later peers land
   static constexpr std::size_t fan_tile = 4096;
 
@@ -669,6 +755,7 @@ class schedule_run {
 
   std::vector<segment> sends_, recvs_;
   std::vector<typename T::request> send_reqs_, recv_reqs_;
+  std::vector<typename T::request> forwarded_;  // the next step's first sends, already made
   bool posted_ = false;
   std::vector<std::pair<std::size_t, typename T::request>> fan_sends_;  // (step, its send)
   std::vector<const std::byte*> copies_;                                // (peer of the fan-in)

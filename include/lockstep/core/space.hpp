@@ -12,6 +12,9 @@
 //   s.copy(dst, src, bytes)          memcpy in the space's order
 //   s.copy_final(dst, src, bytes)    optional: a copy whose destination this rank does not read
 //                                    again in the call (space::copy_final falls back to copy)
+//   s.sum_into(dst, wire, n, acc)    optional, fp32 wire only: dst[0..n) <- acc[i] + values(wire),
+//                                    the bits of decode_add, written elsewhere (the executor's
+//                                    add-and-forward into a transport's buffer)
 //   s.zero(dst, bytes)               memset to 0 in the space's order (ordered spaces; parallel/'s
 //                                    empty products)
 //   s.divide(x, n, by)               x[i] /= by, rounded as one fp32 division
@@ -200,6 +203,11 @@ struct host {
     if (bytes) std::memcpy(dst, src, bytes);
   }
   void copy_final(void* dst, const void* src, std::size_t bytes) const { detail::stream_copy(dst, src, bytes); }
+  // acc + wire in that order, as codec::fp32::decode_add adds: the same bits, NaN payloads included.
+  void sum_into(float* LOCKSTEP_RESTRICT dst, const std::byte* wire, std::size_t n, const float* LOCKSTEP_RESTRICT acc) const noexcept {
+    const float* LOCKSTEP_RESTRICT x = reinterpret_cast<const float*>(wire);
+    for (std::size_t i = 0; i < n; ++i) dst[i] = acc[i] + x[i];
+  }
   void divide(float* x, std::size_t n, float by) const {
     for (std::size_t i = 0; i < n; ++i) detail::divide_by{x, by}(i);
   }

@@ -27,6 +27,12 @@
 //   t.group_begin(), t.group_end()         sends and receives posted in between progress together
 //                                          (NCCL's group semantics: a ring step posts its sends and
 //                                          receives as one group, or two ranks deadlock)
+//   t.try_isend_fill(peer, tag, bytes, fill) -> std::optional<request>
+//                                          a send whose payload fill(std::byte* dst) writes into
+//                                          the transport's own buffer, complete at once; empty,
+//                                          with nothing sent, where the whole message cannot be
+//                                          taken now (never waits). The executor's add-and-forward
+//                                          (mpi: the shared rings; docs/design.md)
 // Messages between one pair of ranks with one tag are matched in the order they were sent.
 // Destroying a send request that has not completed (its collective failed) must leave the peer no
 // way to read the data afterwards: the transport withdraws the message, waits briefly for a peer

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -25,12 +26,13 @@ namespace lockstep::transport {
 struct traffic {
   std::uint64_t bytes = 0, messages = 0;                // data
   std::uint64_t header_bytes = 0, header_messages = 0;  // the collectives' headers
+  std::uint64_t filled = 0;  // data messages written straight into the transport's buffer (try_isend_fill)
 };
 
 template <transport T>
 class counting {
   struct totals {
-    std::atomic<std::uint64_t> bytes{0}, messages{0}, header_bytes{0}, header_messages{0};
+    std::atomic<std::uint64_t> bytes{0}, messages{0}, header_bytes{0}, header_messages{0}, filled{0};
   };
 
  public:
@@ -58,6 +60,18 @@ class counting {
     count(peer, tag, bytes);
     return t_.isend_in_place(peer, tag, data, bytes);
   }
+  // Counted only where the inner transport took it (else the caller sends the usual way).
+  template <class Fill>
+  std::optional<request> try_isend_fill(int peer, std::uint32_t tag, std::size_t bytes, Fill&& fill)
+    requires requires(T& t) { t.try_isend_fill(peer, tag, bytes, fill); }
+  {
+    auto r = t_.try_isend_fill(peer, tag, bytes, fill);
+    if (r) {
+      count(peer, tag, bytes);
+      if (n_) ++n_->filled;
+    }
+    return r;
+  }
   request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) { return t_.irecv(peer, tag, data, bytes); }
   bool wait(request& r, clock::time_point deadline) { return t_.wait(r, deadline); }
   template <class F>
@@ -75,11 +89,11 @@ class counting {
 
   traffic sent() const {
     if (!n_) return {};
-    return {n_->bytes.load(), n_->messages.load(), n_->header_bytes.load(), n_->header_messages.load()};
+    return {n_->bytes.load(), n_->messages.load(), n_->header_bytes.load(), n_->header_messages.load(), n_->filled.load()};
   }
   void reset() {
     if (!n_) return;
-    n_->bytes = 0, n_->messages = 0, n_->header_bytes = 0, n_->header_messages = 0;
+    n_->bytes = 0, n_->messages = 0, n_->header_bytes = 0, n_->header_messages = 0, n_->filled = 0;
   }
   T& inner() noexcept { return t_; }
 

@@ -249,6 +249,22 @@ class routed {
     return send(peer, tag, data, bytes, true);
   }
 
+  // A send to a peer on this node whose payload fill(std::byte* dst) writes straight into the
+  // shared ring (shm::endpoint::try_isend_fill), complete at once; empty where the peer is off this
+  // node or the ring cannot take it whole now: then nothing was sent, and the caller sends as usual.
+  template <class Fill>
+  std::optional<request> try_isend_fill(int peer, std::uint32_t tag, std::size_t bytes, Fill&& fill) {
+    far_.check(peer, tag, bytes, "send");
+    const int local = local_of(peer);
+    if (local < 0) return std::nullopt;
+    auto q = routes_->near->try_isend_fill(local, tag, bytes, fill);
+    if (!q) return std::nullopt;
+    request r;
+    r.peer_ = peer;
+    r.q_ = std::move(*q);
+    return r;
+  }
+
   request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) {
     far_.check(peer, tag, bytes, "recv");
     request r;

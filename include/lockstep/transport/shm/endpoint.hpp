@@ -43,6 +43,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -213,6 +214,28 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
       pump(to);
     }
     return make_request(to, std::move(s));
+  }
+
+  // A send whose payload fill(std::byte* dst) writes straight into the ring to local rank `to`,
+  // complete at once; empty, with nothing sent, where it cannot be written whole now (earlier sends
+  // to `to` still queued, or too little room: ring_writer::try_fill). The caller then sends the
+  // usual way. fill runs under this endpoint's lock and must not call it.
+  template <class Fill>
+  std::optional<request> try_isend_fill(int to, std::uint32_t tag, std::size_t bytes, Fill&& fill) {
+    {
+      std::lock_guard lk(m_);
+      auto& w = out_[static_cast<std::size_t>(to)];
+      if (!w.try_fill(ring_of(local_, to), block(to).bell, tag, bytes, fill)) return std::nullopt;
+    }
+    auto s = std::make_shared<send_op>();
+    s->bytes = bytes;
+    s->sent = bytes;
+    s->tag = tag;
+    s->state = send_state::trailing;
+    s->done.store(true, std::memory_order_release);
+    request r = make_request(to, std::move(s));
+    r.done_ = true;
+    return r;
   }
 
   // Posts a receive from local rank `from`; a message already set aside for it is delivered now.

@@ -178,6 +178,37 @@ class ring_writer {
 
   void push(std::shared_ptr<send_op> s) { queue_.push_back(std::move(s)); }
 
+  // A whole message written in one go, its payload by fill(std::byte* payload) straight into the
+  // ring: only where nothing is queued ahead of it (messages stay in send order) and it fits,
+  // contiguous, in the room there is now; false, with nothing written, otherwise. Never waits.
+  // What the caller would otherwise have written to its own memory and copied in by push(), it
+  // writes here once (the executor's fused add-and-forward, NCCL's recvReduceSend).
+  template <class Fill>
+  bool try_fill(const ring& r, doorbell& bell, std::uint32_t tag, std::size_t bytes, Fill&& fill) {
+    if (!queue_.empty()) return false;
+    complete_acknowledged(r);
+    const std::size_t total = sizeof(frame) + pad8(bytes) + trailer_bytes;
+    if (total > r.capacity) return false;
+    std::uint64_t head = r.control.head.load(std::memory_order_relaxed);
+    const std::uint64_t tail = r.control.tail.load(std::memory_order_acquire);
+    const std::size_t room = r.capacity - static_cast<std::size_t>(head - tail), to_end = r.to_end(head);
+    const std::size_t skip_bytes = total > to_end ? to_end : 0;  // as open(): the message must not wrap
+    if (room < skip_bytes + total) return false;
+    if (skip_bytes) {
+      if (to_end >= sizeof(frame)) r.put(head, &skip, sizeof skip);
+      head += to_end;
+    }
+    const frame f{frame_magic, tag, bytes};
+    r.put(head, &f, sizeof f);
+    fill(r.data + r.offset(head + sizeof f));
+    head += sizeof f + pad8(bytes);
+    r.put(head, &trailer_whole, trailer_bytes);
+    head += trailer_bytes;
+    r.control.head.store(head, std::memory_order_release);
+    bell.ring();
+    return true;
+  }
+
   // A send whose request is destroyed unfinished; the caller's memory is not read again. Queued,
   // it is dropped; streaming, the rest goes as zeros and the trailer says withdrawn; by
   // reference and unread, its record's address is overwritten: the receiver reads that word
