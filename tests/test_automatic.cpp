@@ -443,6 +443,38 @@ TEST_CASE("finer segments stay candidates only where the calibration measured th
   CHECK(has_finer(faster, seg));
 }
 
+TEST_CASE("the segment test reads its own pair, calls back to back, not the single 4 MiB ring", "[automatic]") {
+  const std::size_t seg = std::size_t{1} << 20;
+  const sim::link_params link{10e-6, 5e9, 1.0};
+  using K = detail::calibration_case;
+  const std::vector<K> base = simulated_cases(4, link, seg);
+  // The pair is there, beside the single-call ring the other comparisons at 4 MiB read.
+  int single = 0, in_a_row = 0;
+  for (const K& k : base)
+    if (k.bytes == (std::size_t{4} << 20) && (k.kind == K::ring || k.kind == K::ring_quarter))
+      (k.calls == detail::segment_test_calls ? in_a_row : single) += 1;
+  CHECK(single == 1);
+  CHECK(in_a_row == 2);
+  CHECK(detail::segment_test_calls > 1);
+  for (const K& k : base)
+    if (k.kind == K::ring_quarter) CHECK(k.calls == detail::segment_test_calls);
+  // Quarter segments 30% faster than the single call but as fast as the calls in a row: not kept;
+  // 30% faster than the calls in a row and as fast as the single call: kept.
+  for (const bool against_row : {false, true}) {
+    CAPTURE(against_row);
+    std::vector<K> cases = base;
+    double ring4 = 0;
+    for (const K& k : cases)
+      if (k.kind == K::ring && k.bytes == (std::size_t{4} << 20) && k.calls == 1) ring4 = k.seconds;
+    for (K& k : cases) {
+      if (k.kind == K::ring_quarter) k.seconds = 0.7 * ring4;
+      if (k.kind == K::ring && k.bytes == (std::size_t{4} << 20))
+        k.seconds = ((k.calls > 1) == against_row) ? ring4 : 0.7 * ring4;
+    }
+    CHECK(has_finer(detail::fit_calibration(with_rates(), 4, seg, cases), seg) == against_row);
+  }
+}
+
 TEST_CASE("forget_choices drops the choices cached on the old parameters", "[automatic]") {
   automatic a;
   a.link = sim::link_params{1.0, 1e15};  // all latency: recursive doubling everywhere
