@@ -18,19 +18,22 @@
 //   * the same ring and recursive doubling cases up to 64 KiB, on their own, with gamma measured
 //     in cache: automatic's cache tier (automatic::cache_bytes), the link small calls meet; and
 //     both at 256 KiB, which of the two tiers predicts better: where the tier ends;
-//   * direct at 1 MiB and 4 MiB (3 ranks and more) against the ring's times there: where it
-//     measured faster, automatic offers it (automatic::direct_sizes);
-//   * the ring at 4 MiB in quarter segments against the group's, three calls back to back per run
-//     (as a model's gradient buckets come; one call alone after a barrier favours the finer
-//     segments, which then lost in a row of calls): the overhead o per message, and
+//   * direct at 1 MiB and 4 MiB (3 ranks and more) against the ring's times there (at 4 MiB in a
+//     row of cold calls, as the segment test's pair): where it measured faster, automatic offers
+//     it (automatic::direct_sizes);
+//   * the ring at 4 MiB in quarter segments against the group's, three calls back to back per run,
+//     each on a cold buffer of its own (as a model's gradient buckets come; one warm call alone
+//     after a barrier favours the finer segments, which then lost in a row of calls): the
+//     overhead o per message, and
 //     whether segments finer than the group's pay at all. Where quartering did not measure faster
 //     by automatic's segment_margin, automatic keeps no finer segment size among its candidates:
 //     the simulator overlaps a segment's reduction with the next one's transfer, which a transport
 //     whose "transfer" is the reducing core reading its peer's memory (shared memory by
 //     reference) cannot do, and no o makes it see that (the overlap absorbs it).
 // The measurements are averaged over the group (an all_reduce: the same bits on every rank) before
-// any of this, so every rank holds the same parameters and makes the same choices. 1.4..1.6 s on
-// an idle 2-core machine with 4 ranks of shared memory, half of it the bulk cases (seconds more
+// any of this, so every rank holds the same parameters and makes the same choices. 2.3..2.5 s on
+// an idle 2-core machine with 4 ranks of shared memory, about a third of it the bulk cases and
+// more than a third the 4 MiB cases in a row, each with its fills and flushes (seconds more
 // over a slow network: they move 32 MiB per rank eight times); on a loaded one the fit describes
 // the load too, which is what the choices then face.
 #pragma once
@@ -69,8 +72,11 @@ struct calibration_case {
 // The size of the bulk tier's cases, per rank: far out of cache, where the bulk calls are (on
 // machine C the bench ran halving-doubling 2..7% ahead of the ring at 16 and 64 MiB, cold).
 inline constexpr std::size_t bulk_probe_bytes = std::size_t{32} << 20;
-// Calls per timed run of the segment test's pair (calibration_cases).
-inline constexpr int segment_test_calls = 3;
+// Calls per timed run of the cases that compare large calls as they come: back to back, each on a
+// buffer of its own that starts out of cache (a model's gradient buckets, written during the
+// backward pass and queued one behind the other; the bench's rotating buffers): the segment test's
+// pair, and direct against the ring at 4 MiB (calibration_cases).
+inline constexpr int row_calls = 3;
 
 // Writes bytes at p back to memory and out of every cache level (x86 with SSE2: clflush;
 // elsewhere, and in a CUDA translation unit, nothing: the bulk cases are then timed warm): the
@@ -106,18 +112,22 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   cases.push_back({K::ring, std::size_t{256} << 10});
   if ((size & (size - 1)) == 0) cases.push_back({K::recursive_doubling, std::size_t{256} << 10});
   cases.push_back({K::ring, std::size_t{4} << 20});
-  // The segment test's pair, three calls back to back per run, as large calls come (a model's
-  // gradient buckets, queued one behind the other): one call on its own after a barrier read the
-  // quarter segments 10% faster in most 4-rank jobs of 2026-12-05 on machine C, whose bench, back
-  // to back, then ran them 10-18% slower (docs/benchmarks.md).
-  cases.push_back({.kind = K::ring, .bytes = std::size_t{4} << 20, .calls = segment_test_calls});
-  cases.push_back({.kind = K::ring_quarter, .bytes = std::size_t{4} << 20, .calls = segment_test_calls});
+  // The segment test's pair, row_calls calls back to back per run, each on a cold buffer of its
+  // own, as large calls come: one call alone after a barrier read the quarter segments 10% faster
+  // in most 4-rank jobs of 2026-12-05 on machine C, whose bench then ran them 10-18% slower
+  // (docs/benchmarks.md).
+  cases.push_back({.kind = K::ring, .bytes = std::size_t{4} << 20, .calls = row_calls});
+  cases.push_back({.kind = K::ring_quarter, .bytes = std::size_t{4} << 20, .calls = row_calls});
   // At 2 ranks every step of every candidate is an exchange: eta is then not told apart from beta.
   if (size > 2)
     for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) cases.push_back({K::halving_doubling, b});
-  // direct against the ring at the same sizes; at 2 ranks direct is the ring's one exchange.
-  if (size > 2)
-    for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) cases.push_back({K::direct, b});
+  // direct against the ring at the same sizes; at 2 ranks direct is the ring's one exchange. At
+  // 4 MiB as the segment test's pair, against its ring: one warm call alone measured direct's
+  // margin (memory traffic) away in 4 of 6 4-rank jobs whose bench ran it 12-15% ahead.
+  if (size > 2) {
+    cases.push_back({K::direct, std::size_t{1} << 20});
+    cases.push_back({.kind = K::direct, .bytes = std::size_t{4} << 20, .calls = row_calls});
+  }
   // The ring and halving-doubling out of cache: the bulk tier's eta (automatic::bulk_bytes).
   if (size > 2)
     for (K::kind_t k : {K::ring, K::halving_doubling}) cases.push_back({k, bulk_probe_bytes});
@@ -271,15 +281,17 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
   // direct where it measured faster than the ring by direct_margin (automatic::direct_sizes): a
   // measurement, not a fit, so decided before any fit, which may fail.
   a.direct_sizes.clear();
-  for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20})
-    if (const double d = time_of(K::direct, b), r = time_of(K::ring, b); d > 0 && r > 0 && d < r * (1 - direct_margin))
+  for (std::size_t b : {std::size_t{1} << 20, std::size_t{4} << 20}) {
+    const int calls = b == (std::size_t{1} << 20) ? 1 : row_calls;
+    if (const double d = time_of(K::direct, b, calls), r = time_of(K::ring, b, calls); d > 0 && r > 0 && d < r * (1 - direct_margin))
       a.direct_sizes.push_back(b);
+  }
   // The segment test: the ring at 4 MiB in quarter segments against the group's. It says
   // something only where a ring chunk (4 MiB / size) holds more than one quarter segment (else
   // the two runs are one schedule, from 16 ranks at the default 1 MiB) and the quarter is finer
   // than the group's segment (the 4 KiB floor).
   const std::size_t q = quarter_segment(group_segment), o_bytes = std::size_t{4} << 20;
-  const double whole = time_of(K::ring, o_bytes, segment_test_calls), quarter = time_of(K::ring_quarter, o_bytes, segment_test_calls);
+  const double whole = time_of(K::ring, o_bytes, row_calls), quarter = time_of(K::ring_quarter, o_bytes, row_calls);
   const bool segment_test = whole > 0 && quarter > 0 && q < group_segment && o_bytes / static_cast<std::size_t>(size) > q;
   // Finer segments only where finer segments measured faster, by the margin a choice of them
   // needs (a 4-rank job on 2 cores read quarter / whole from 1.02 to 1.29 in eight calibrations,
@@ -413,7 +425,8 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
     std::vector<std::vector<float>> bufs(cases.size());
     std::vector<std::vector<double>> ts(cases.size());
     for (std::size_t i = 0; i < cases.size(); ++i)
-      if (!bulk(cases[i])) bufs[i].assign(detail::calibration_elems(size, cases[i].bytes), 1.0f);
+      if (!bulk(cases[i]))
+        bufs[i].assign(detail::calibration_elems(size, cases[i].bytes) * static_cast<std::size_t>(cases[i].calls), 1.0f);
     std::vector<float> bulk_buf;
     for (const bool phase : {false, true}) {
       if (phase) {
@@ -429,16 +442,17 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
           if (bulk(cases[i]) != phase || r > reps_of(cases[i])) continue;
           std::vector<float>& x = phase ? bulk_buf : bufs[i];
           std::fill(x.begin(), x.end(), 1.0f);
-          if (phase) {
+          if (phase || cases[i].calls > 1) {
             detail::evict(x.data(), x.size() * sizeof(float));
             // Every rank's flush done before any clock starts: on shared cores a rank still
             // flushing would add its flush to both cases' times alike, pulling their ratio to 1.
             barrier(g);
           }
-          const std::span<float> s(x);
+          const std::size_t per_call = x.size() / static_cast<std::size_t>(cases[i].calls);
           const auto t0 = std::chrono::steady_clock::now();
           no_epilogue ep;
           for (int call = 0; call < cases[i].calls; ++call) {
+            const std::span<float> s(x.data() + static_cast<std::size_t>(call) * per_call, per_call);
             switch (cases[i].kind) {
               case K::ring: all_reduce(g, s, topology::ring{}, c); break;
               case K::recursive_doubling: all_reduce(g, s, topology::recursive_doubling{}, c); break;
