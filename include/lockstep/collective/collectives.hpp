@@ -206,7 +206,8 @@ request all_reduce_async(group<Tr>& g, std::span<float> buf, const T& topo, C& c
 // ---- reduce_scatter ---------------------------------------------------------------------------
 
 // buf holds n elements cut into size chunks (chunk_range); afterwards this rank's chunk holds the
-// reduction, the other chunks hold partial sums and are not meant to be read.
+// reduction, the other chunks hold intermediate values (partial sums, or this rank's input where a
+// sum went straight into a peer's message) and are not meant to be read.
 template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 void reduce_scatter_inplace(group<Tr>& g, std::span<float> buf, const T& topo, C& codec,
                             reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {
@@ -292,7 +293,7 @@ void all_gather_v(group<Tr>& g, std::span<const float> in, std::span<float> out,
 }
 
 // buf: sum(counts) elements; afterwards this rank's part holds the reduction (the other parts
-// hold partial sums and are not meant to be read).
+// hold intermediate values, as reduce_scatter_inplace says, and are not meant to be read).
 template <transport::transport Tr, topology::topology_policy T, codec::codec C, class Epilogue = no_epilogue>
 void reduce_scatter_v_inplace(group<Tr>& g, std::span<float> buf, std::span<const std::size_t> counts, const T& topo,
                               C& codec, reduce_op op = reduce_op::sum, Epilogue&& ep = {}) {

@@ -222,18 +222,22 @@ class endpoint : public std::enable_shared_from_this<endpoint> {
   // usual way. fill runs under this endpoint's lock and must not call it.
   template <class Fill>
   std::optional<request> try_isend_fill(int to, std::uint32_t tag, std::size_t bytes, Fill&& fill) {
+    // Made first: nothing may throw once the message is in the ring.
+    auto s = std::make_shared<send_op>();
+    request r = make_request(to, s);
     {
       std::lock_guard lk(m_);
       auto& w = out_[static_cast<std::size_t>(to)];
-      if (!w.try_fill(ring_of(local_, to), block(to).bell, tag, bytes, fill)) return std::nullopt;
+      if (!w.try_fill(ring_of(local_, to), block(to).bell, tag, bytes, fill)) {
+        r.done_ = true;  // never sent: nothing to withdraw
+        return std::nullopt;
+      }
     }
-    auto s = std::make_shared<send_op>();
     s->bytes = bytes;
     s->sent = bytes;
     s->tag = tag;
     s->state = send_state::trailing;
     s->done.store(true, std::memory_order_release);
-    request r = make_request(to, std::move(s));
     r.done_ = true;
     return r;
   }

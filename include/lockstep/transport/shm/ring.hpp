@@ -179,6 +179,7 @@ class ring_writer {
   void push(std::shared_ptr<send_op> s) { queue_.push_back(std::move(s)); }
 
   // A whole message written in one go, its payload by fill(std::byte* payload) straight into the
+  // ring (not called for an empty one)
   // ring: only where nothing is queued ahead of it (messages stay in send order) and it fits,
   // contiguous, in the room there is now; false, with nothing written, otherwise. Never waits.
   // What the caller would otherwise have written to its own memory and copied in by push(), it
@@ -200,7 +201,7 @@ class ring_writer {
     }
     const frame f{frame_magic, tag, bytes};
     r.put(head, &f, sizeof f);
-    fill(r.data + r.offset(head + sizeof f));
+    if (bytes) fill(r.data + r.offset(head + sizeof f));
     head += sizeof f + pad8(bytes);
     r.put(head, &trailer_whole, trailer_bytes);
     head += trailer_bytes;
