@@ -179,9 +179,9 @@ class ring_writer {
   void push(std::shared_ptr<send_op> s) { queue_.push_back(std::move(s)); }
 
   // A whole message written in one go, its payload by fill(std::byte* payload) straight into the
-  // ring (not called for an empty one)
-  // ring: only where nothing is queued ahead of it (messages stay in send order) and it fits,
-  // contiguous, in the room there is now; false, with nothing written, otherwise. Never waits.
+  // ring (fill is not called for an empty one): only where nothing is queued ahead of it (messages
+  // stay in send order) and it fits, contiguous, in the room there is now; false, with nothing
+  // written, otherwise. Never waits.
   // What the caller would otherwise have written to its own memory and copied in by push(), it
   // writes here once (the executor's fused add-and-forward, NCCL's recvReduceSend).
   template <class Fill>
