@@ -17,7 +17,10 @@
 // the device uses is tested too. Runners, inputs and checks: tests/collective_matrix.hpp.
 #include "collective_matrix.hpp"
 
+#include <atomic>
+#include <deque>
 #include <limits>
+#include <optional>
 #include <numeric>
 #include <thread>
 
@@ -76,6 +79,41 @@ struct inproc_copying : transport::inproc {
   }
 };
 static_assert(transport::transport<inproc_copying>);
+
+// inproc whose sends may be written in the transport's own memory (try_isend_fill), as the mpi
+// transport's shared rings let them be: the executor's add-and-forward (a reduce step's sums
+// written straight into the next step's message) run by every op and topology in one process, and
+// so under the sanitizers, not only under mpirun. Like a full ring it refuses some offers (every
+// third), so a step's run of filled sends ends early and the rest go the usual way.
+std::atomic<std::size_t> fill_offers{0}, fills_taken{0};
+struct inproc_filling : transport::inproc {
+  using transport::inproc::inproc;
+  // The filled messages' bytes: inproc's receiver reads them where they are, so they live as long
+  // as the endpoint (a test's few calls).
+  std::shared_ptr<std::deque<std::vector<std::byte>>> held = std::make_shared<std::deque<std::vector<std::byte>>>();
+  std::shared_ptr<std::size_t> offers = std::make_shared<std::size_t>(0);  // this endpoint's: refusals by rank, not by timing
+  template <class Fill>
+  std::optional<request> try_isend_fill(int peer, std::uint32_t tag, std::size_t bytes, Fill&& fill) {
+    ++fill_offers;
+    if (++*offers % 3 == 0) return std::nullopt;
+    auto& b = held->emplace_back(bytes, std::byte{0x7f});
+    if (bytes) fill(b.data());
+    ++fills_taken;
+    return isend(peer, tag, b.data(), bytes);
+  }
+};
+static_assert(transport::transport<inproc_filling>);
+// 256-byte segments: chunks of several messages, so a refusal can end a step's run mid-chunk.
+struct on_host_filling {
+  template <class F>
+  static void run(int n, F&& f, group_options opt = matrix_options(256)) {
+    auto world = transport::inproc::make_world(n);
+    transport::detail::run_ranks(n, *world, [&](int r) {
+      group<inproc_filling> g(inproc_filling(world, r), opt);
+      f(g);
+    });
+  }
+};
 
 // bf16 whose first encode on rank 2 sleeps past the error tests' 1 s timeout: a rank that has
 // entered the call (its header sent) and then stalls.
@@ -163,6 +201,18 @@ TEMPLATE_TEST_CASE("direct: the fan-in gives the bits of walking its steps one b
       }
     }
   }
+}
+
+TEST_CASE("add-and-forward: sums written straight into the next step's messages, every op x topology, exactly", "[collective][forward]") {
+  fill_offers = 0, fills_taken = 0;
+  for (int n = 1; n <= max_ranks(); ++n) every_op<on_host_filling, codec::fp32>(n);
+  // The path ran, and so did the refusals that end a run of filled sends.
+  CHECK(fills_taken > 1000);
+  CHECK(fill_offers - fills_taken > 500);
+  // Lossy codecs never forward (their sums are encoded before they are sent): nothing offered.
+  fill_offers = 0;
+  all_reduce_case<on_host_filling, topology::ring, codec::dyntree8>({}, 4, 10007, reduce_op::sum);
+  CHECK(fill_offers == 0);
 }
 
 TEST_CASE("the epilogue sees every element once, with its final value", "[collective][epilogue]") {

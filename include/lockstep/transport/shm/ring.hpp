@@ -192,13 +192,10 @@ class ring_writer {
     if (total > r.capacity) return false;
     std::uint64_t head = r.control.head.load(std::memory_order_relaxed);
     const std::uint64_t tail = r.control.tail.load(std::memory_order_acquire);
-    const std::size_t room = r.capacity - static_cast<std::size_t>(head - tail), to_end = r.to_end(head);
-    const std::size_t skip_bytes = total > to_end ? to_end : 0;  // as open(): the message must not wrap
+    const std::size_t room = r.capacity - static_cast<std::size_t>(head - tail);
+    const std::size_t skip_bytes = skip_before(r, head, total);  // as open(): the message must not wrap
     if (room < skip_bytes + total) return false;
-    if (skip_bytes) {
-      if (to_end >= sizeof(frame)) r.put(head, &skip, sizeof skip);
-      head += to_end;
-    }
+    if (skip_bytes) skip_to_start(r, head);
     const frame f{frame_magic, tag, bytes};
     r.put(head, &f, sizeof f);
     if (bytes) fill(r.data + r.offset(head + sizeof f));
@@ -282,16 +279,28 @@ class ring_writer {
     return false;
   }
 
-  // Writes the frame of a queued send (its whole record, by reference), first skipping to the
-  // ring's start where the frame would not fit before the end, or the whole message would fit
-  // the ring but not the rest of it.
-  bool open(const ring& r, send_op& s, std::uint64_t& head, std::size_t room) {
+  // What a message of `total` bytes (frame to trailer) written at `head` must skip first: the rest
+  // of the ring, where the frame would not fit before the end, or the whole message would fit the
+  // ring but not the rest of it (a message larger than the ring streams through its end); else 0.
+  static std::size_t skip_before(const ring& r, std::uint64_t head, std::size_t total) {
     const std::size_t to_end = r.to_end(head);
+    return to_end < sizeof(frame) || (total <= r.capacity && total > to_end) ? to_end : 0;
+  }
+  // Moves `head` to the ring's start, with a skip frame where one fits (the reader skips a tail
+  // too short for a frame on its own).
+  static void skip_to_start(const ring& r, std::uint64_t& head) {
+    const std::size_t to_end = r.to_end(head);
+    if (to_end >= sizeof(frame)) r.put(head, &skip, sizeof skip);
+    head += to_end;
+  }
+
+  // Writes the frame of a queued send (its whole record, by reference), first skipping to the
+  // ring's start where skip_before says so.
+  bool open(const ring& r, send_op& s, std::uint64_t& head, std::size_t room) {
     const std::size_t total = s.by_ref ? sizeof(frame) + sizeof(ref_record) : sizeof(frame) + pad8(s.bytes) + trailer_bytes;
-    if (to_end < sizeof(frame) || (total <= r.capacity && total > to_end)) {
-      if (room < to_end) return false;
-      if (to_end >= sizeof(frame)) r.put(head, &skip, sizeof skip);
-      head += to_end;
+    if (const std::size_t skip_bytes = skip_before(r, head, total)) {
+      if (room < skip_bytes) return false;
+      skip_to_start(r, head);
       return true;
     }
     if (s.by_ref) {
