@@ -206,9 +206,12 @@ TEMPLATE_TEST_CASE("direct: the fan-in gives the bits of walking its steps one b
 TEST_CASE("add-and-forward: sums written straight into the next step's messages, every op x topology, exactly", "[collective][forward]") {
   fill_offers = 0, fills_taken = 0;
   for (int n = 1; n <= max_ranks(); ++n) every_op<on_host_filling, codec::fp32>(n);
-  // The path ran, and so did the refusals that end a run of filled sends.
-  CHECK(fills_taken > 1000);
-  CHECK(fill_offers - fills_taken > 500);
+  // The path ran, and so did the refusals that end a run of filled sends. (The counts follow from
+  // the matrix, not from timing: 566 taken and 170 refused in the sanitizers' small matrix, over
+  // 1000 and 500 in the full one.)
+  const std::size_t taken_min = small_matrix() ? 400 : 1000, refused_min = small_matrix() ? 100 : 500;
+  CHECK(fills_taken > taken_min);
+  CHECK(fill_offers - fills_taken > refused_min);
   // Lossy codecs never forward (their sums are encoded before they are sent): nothing offered.
   fill_offers = 0;
   all_reduce_case<on_host_filling, topology::ring, codec::dyntree8>({}, 4, 10007, reduce_op::sum);
