@@ -33,6 +33,22 @@
 
 #include "simd.hpp"
 
+// How far ahead (bytes) the 8-bit loops ask for the fp32 values they read; 0: they do not ask.
+// Whether asking helps is a property of the machine, measured (docs/codecs.md, "Software prefetch"):
+// on the AVX2-only EPYC (Zen 3) the hardware prefetcher fell behind the code loops and 8 KiB
+// ahead took int8's roundtrip from 49% to 60% of memcpy at 64 MiB; on the EPYC with AVX-512
+// (Zen 4) the same requests cost the encoders a third of their speed (dyntree8 encode 13.8
+// against 9.6 GB/s) and decode-add a quarter, on the AVX2 loops as much as on the AVX-512 ones.
+// GCC calls both machines znver3, so the default goes by the one thing the build knows: no
+// requests where AVX-512 is on. Define it to tune a build for another machine.
+#ifndef LOCKSTEP_CODEC_PREFETCH_BYTES
+#if LOCKSTEP_HOST_AVX512
+#define LOCKSTEP_CODEC_PREFETCH_BYTES 0
+#else
+#define LOCKSTEP_CODEC_PREFETCH_BYTES 8192
+#endif
+#endif
+
 namespace lockstep::codec {
 
 // Whether a block with this absmax carries codes: a finite scale of at least 2^-126 (the smallest
@@ -246,13 +262,16 @@ class blockwise {
   }
 
  private:
-  // Asks for the fp32 values 8 KiB past [p, p + n), one request per cache line: the 8-bit loops
-  // compute long enough per line that the hardware prefetcher falls behind. A prefetch past the
-  // end of a buffer is harmless (it never faults); without AVX2 this does nothing.
+  // Asks for the fp32 values LOCKSTEP_CODEC_PREFETCH_BYTES past [p, p + n), one request per cache
+  // line, where that is not 0: on machines whose hardware prefetcher falls behind the 8-bit loops
+  // (see the macro). A prefetch past the end of a buffer is harmless (it never faults); without
+  // AVX2 this does nothing.
   static void prefetch_ahead([[maybe_unused]] const float* p, [[maybe_unused]] std::size_t n) noexcept {
 #if LOCKSTEP_HOST_AVX2
-    const auto ahead = reinterpret_cast<std::uintptr_t>(p) + 8192;
-    for (std::size_t i = 0; i < n * sizeof(float); i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
+    if constexpr (LOCKSTEP_CODEC_PREFETCH_BYTES > 0) {
+      const auto ahead = reinterpret_cast<std::uintptr_t>(p) + LOCKSTEP_CODEC_PREFETCH_BYTES;
+      for (std::size_t i = 0; i < n * sizeof(float); i += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
+    }
 #endif
   }
 
