@@ -24,10 +24,12 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "../core/config.hpp"
+#include "../core/error.hpp"
 #include "concept.hpp"
 #include "residual.hpp"
 
@@ -58,6 +60,15 @@ namespace lockstep::codec {
 LOCKSTEP_HD constexpr bool block_scale_carries(float scale) noexcept {
   return scale >= 1.17549435e-38f && scale <= 3.40282347e+38f;  // false for NaN as well
 }
+
+// Above 2^126, 1 / scale is subnormal: it would carry fewer than 24 bits, and where the FPU flushes
+// subnormals to zero (FTZ/DAZ: -ffast-math's start-up code, torch.set_flush_denormal, CUDA's
+// -ftz=true) it is 0 and the whole block would go out as code 0. Such a block's values and scale are
+// first multiplied by scale_step (exact: a power of two in the normal range), so the encoder
+// computes x * (1 / absmax) with 1 / absmax rounded to 24 bits, FTZ or not. Shared by the host
+// encoder and the CUDA kernels.
+inline constexpr float huge_scale = 0x1p126f;
+inline constexpr float scale_step = 0x1p-64f;
 
 // A block's scale from its values' magnitudes, shared by blockwise::absmax and the CUDA kernels'
 // block reduction: magnitude_bits(x) is |x| as bits (for non-negative floats integer order is float
@@ -102,14 +113,22 @@ class blockwise {
   static constexpr bool identity = false;
 
   constexpr blockwise() noexcept = default;
-  constexpr explicit blockwise(std::size_t block) noexcept : block_(block ? block : 1) {}
+  // A block of 0 values is taken as 1. The largest is 2^32 - 1 values (a block as large as a
+  // whole tensor, one scale for all, fits): the block is part of id() as 32 bits, so two larger
+  // ones could share a fingerprint and a mismatch between ranks would go unseen.
+  static constexpr std::size_t max_block = 0xffffffffu;
+  constexpr explicit blockwise(std::size_t block) : block_(block ? block : 1) {
+    if (block > max_block)
+      throw error(errc::invalid_argument, std::string(Format::name), -1, -1,
+                  "block of " + std::to_string(block) + " values: at most " + std::to_string(max_block));
+  }
 
   static constexpr std::string_view name() noexcept { return Format::name; }
   constexpr std::uint32_t id() const noexcept {
     return fingerprint(name(), static_cast<std::uint32_t>(block_));
   }
   LOCKSTEP_HD constexpr std::size_t block() const noexcept { return block_; }
-  LOCKSTEP_HD constexpr std::size_t blocks(std::size_t n) const noexcept { return (n + block_ - 1) / block_; }
+  LOCKSTEP_HD constexpr std::size_t blocks(std::size_t n) const noexcept { return n / block_ + (n % block_ != 0); }
   constexpr std::size_t wire_bytes(std::size_t n) const noexcept {
     return pad8(blocks(n) * sizeof(float) + n);
   }
@@ -152,7 +171,7 @@ class blockwise {
     const std::size_t nb = blocks(n);
     std::uint8_t* LOCKSTEP_RESTRICT codes = this->codes(out, n);
     thread_local std::vector<float> sum;  // one block of in + residual
-    if (sum.size() < block_) sum.resize(block_);
+    if (sum.size() < std::min(block_, n)) sum.resize(std::min(block_, n));  // not a whole block for a short buffer
     float* LOCKSTEP_RESTRICT v = sum.data();
     for (std::size_t b = 0; b < nb; ++b) {
       const auto [lo, len] = block_span(b, n);
@@ -197,7 +216,23 @@ class blockwise {
       std::memset(codes, 0, n);
       return;
     }
-    const float inv = 1.0f / scale;
+    if (scale > huge_scale) {  // 1 / scale subnormal: values and scale stepped down first (above)
+      constexpr std::size_t tile = 256;
+      alignas(64) float down[tile];
+      const float inv = 1.0f / (scale * scale_step);
+      for (std::size_t lo = 0; lo < n; lo += tile) {
+        const std::size_t len = std::min(tile, n - lo);
+        for (std::size_t i = 0; i < len; ++i) down[i] = x[lo + i] * scale_step;
+        quantize_scaled(down, len, inv, codes + lo);
+      }
+      return;
+    }
+    quantize_scaled(x, n, 1.0f / scale, codes);
+  }
+
+  // The codes of x[i] * inv (quantize_block's loops, by path).
+  static void quantize_scaled(const float* LOCKSTEP_RESTRICT x, std::size_t n, float inv,
+                              std::uint8_t* LOCKSTEP_RESTRICT codes) noexcept {
 #if LOCKSTEP_HOST_AVX512
     // A format with codes64() (64 codes in input order, the same bits as code()) takes 64 values
     // per turn, the tail through a zero-padded copy by the same code.
@@ -309,6 +344,7 @@ class blockwise {
         for (std::size_t j = 0; j < 4 && 16 * j < len; ++j) {
           float* o = out + i + 16 * j;
           __m512 r = _mm512_mul_ps(v[j], vs);
+          LOCKSTEP_ROUNDED(r);  // rounded before the sum, whatever -ffp-contract says (core/config.hpp)
           if (len - 16 * j >= 16) {
             if constexpr (Add) r = _mm512_add_ps(_mm512_loadu_ps(o), r);
             _mm512_storeu_ps(o, r);
@@ -322,10 +358,22 @@ class blockwise {
       return;
     }
 #endif
-    const float* LOCKSTEP_RESTRICT t = table().data();
+    decode_portable<Add>(table().data(), codes, n, scale, out);
+  }
+
+  // decode_block's loop without hand-written SIMD: acc + value * scale rounded twice, whatever
+  // the build's -ffp-contract (core/config.hpp).
+  template <bool Add>
+  LOCKSTEP_NO_FP_CONTRACT static void decode_portable(const float* LOCKSTEP_RESTRICT t,
+                                                      const std::uint8_t* LOCKSTEP_RESTRICT codes, std::size_t n,
+                                                      float scale, float* LOCKSTEP_RESTRICT out) noexcept {
     for (std::size_t i = 0; i < n; ++i) {
-      if constexpr (Add) out[i] += t[codes[i]] * scale;
-      else out[i] = t[codes[i]] * scale;
+      float v = t[codes[i]] * scale;
+#if !LOCKSTEP_HAS_NO_FP_CONTRACT
+      LOCKSTEP_ROUNDED(v);
+#endif
+      if constexpr (Add) out[i] += v;
+      else out[i] = v;
     }
   }
 

@@ -38,3 +38,30 @@
 #else
 #define LOCKSTEP_HOST_AVX512 0
 #endif
+
+// Ends the optimiser's view of an fp32 (or vector register) value so that it is rounded where it
+// stands: a product marked with it is not fused with a later sum into an fma. GCC contracts
+// a*b + c across statements by default (-ffp-contract=fast) wherever the target has FMA, so
+// without this a build's flags would change the last bit of the codecs' decode_add, which is
+// specified as the scalar reference's two roundings (and the CUDA kernels' __fmul_rn, __fadd_rn).
+// The empty asm claims to change the value in its register and costs no instruction, but it keeps
+// a scalar loop from being unrolled and vectorised as before (decode_add on the portable loop
+// lost a third of its speed): such loops are marked LOCKSTEP_NO_FP_CONTRACT instead, a function
+// attribute under GCC (LOCKSTEP_HAS_NO_FP_CONTRACT 1), and take LOCKSTEP_ROUNDED only where there
+// is none (clang, nvcc's host pass).
+#if defined(__CUDA_ARCH__) || !(defined(__GNUC__) || defined(__clang__))
+#define LOCKSTEP_ROUNDED(v) ((void)0)
+#elif defined(__x86_64__) || defined(__i386__)
+#define LOCKSTEP_ROUNDED(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define LOCKSTEP_ROUNDED(v) __asm__("" : "+w"(v))
+#else
+#define LOCKSTEP_ROUNDED(v) __asm__("" : "+m"(v))
+#endif
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define LOCKSTEP_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define LOCKSTEP_HAS_NO_FP_CONTRACT 1
+#else
+#define LOCKSTEP_NO_FP_CONTRACT
+#define LOCKSTEP_HAS_NO_FP_CONTRACT 0
+#endif

@@ -76,10 +76,13 @@ blockwise_encode(codec::blockwise<Format> cw, const float* __restrict__ x, float
 
     // As blockwise::quantize_block: an all-zero or non-finite block carries no codes.
     const bool live = codec::block_scale_carries(scale);  // the host encoder's rule (blockwise.hpp)
-    const float inv = live ? __fdiv_rn(1.0f, scale) : 0.0f;
+    // Above huge_scale, values and scale stepped down first, as the host does (blockwise.hpp).
+    const bool huge = scale > codec::huge_scale;
+    const float inv = live ? __fdiv_rn(1.0f, huge ? __fmul_rn(scale, codec::scale_step) : scale) : 0.0f;
     for (std::size_t i = threadIdx.x; i < len; i += Threads) {
       const float v = load(lo + i);
-      const std::uint8_t c = live ? Format::quantize(__fmul_rn(v, inv)) : std::uint8_t{0};
+      const float u = huge ? __fmul_rn(v, codec::scale_step) : v;
+      const std::uint8_t c = live ? Format::quantize(__fmul_rn(u, inv)) : std::uint8_t{0};
       codes[lo + i] = c;
       if (residual) residual[lo + i] = codec::feedback_residual(v, __fmul_rn(table[c], scale));
     }
