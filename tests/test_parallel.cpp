@@ -185,6 +185,29 @@ TEST_CASE("ranks configured differently fail on every rank with a mismatch, with
                         Catch::Contains("both dimensions must be positive"));
     }, quick);
   }
+  SECTION("a bad size found after the batch exchange fails the peers at once, naming it") {
+    // row_linear's H_k holds all ranks' rows, so its size is checked only once the row counts are
+    // in; the peers are then inside the call's collectives. Each rank catches its error and goes
+    // on: the peers must fail with rank 0's reason (the group aborted), not at their timeout.
+    std::vector<std::string> seen(3);
+    std::vector<float> h(64);
+    run_inproc(3, [&](inproc_group& g) {
+      parallel::row_linear<parallel::by_rank, transport::inproc> fc(g, 6, 5);
+      const std::size_t want = 6 * fc.in_rows();  // 2 rows on each of 3 ranks
+      try {
+        fc.forward(std::span<const float>(h).first(want - (g.rank() == 0 ? 1 : 0)), 2,
+                   std::span<const float>(w).first(5 * fc.in_rows()), naive_gemm);
+        seen[static_cast<std::size_t>(g.rank())] = "no error";
+      } catch (const error& e) {
+        seen[static_cast<std::size_t>(g.rank())] = e.what();
+      }
+    }, quick);
+    for (int r = 0; r < 3; ++r) {
+      INFO("rank " << r << ": " << seen[static_cast<std::size_t>(r)]);
+      CHECK_THAT(seen[static_cast<std::size_t>(r)], Catch::Contains("input H_k (all ranks' rows x in_rows) has 11 elements; expected 12"));
+      CHECK_THAT(seen[static_cast<std::size_t>(r)], !Catch::Contains("timeout"));
+    }
+  }
 #if !LOCKSTEP_TEST_ASAN  // ASan stops the process at an allocation of terabytes
   SECTION("a rank that claims terabytes of rows fails clearly, and so do the others") {
     // The rank of a row-split layer with one input feature that holds no input rows: no size check

@@ -86,14 +86,18 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
     this->expect({{dy.size(), B, n, "output gradient dY_k (B x cols)"},
                   {dx.size(), rows, in, "input gradient dx (this rank's rows x in)"}});
     auto lanes = this->make_lanes();
-    detail::reduce_rows(
-        this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), n, dy, in, dx,
-        [&](const float* dyr, std::size_t m, float* p) {  // dX rows = dY_k rows · W_kᵀ
-          lanes.gemm(mm, {false, true, m, in, n, dyr, n, w.data(), n, 0.0f, p, in});
-        },
-        [&] {  // dW_k = Xᵀ · dY_k while the last rounds of dX move
-          lanes.gemm(mm, {true, false, in, n, B, x_all_.data(), in, dy.data(), n, 0.0f, dw.data(), n});
-        });
+    try {  // the rounds' staging: the peers are in the call's collectives
+      detail::reduce_rows(
+          this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), n, dy, in, dx,
+          [&](const float* dyr, std::size_t m, float* p) {  // dX rows = dY_k rows · W_kᵀ
+            lanes.gemm(mm, {false, true, m, in, n, dyr, n, w.data(), n, 0.0f, p, in});
+          },
+          [&] {  // dW_k = Xᵀ · dY_k while the last rounds of dX move
+            lanes.gemm(mm, {true, false, in, n, B, x_all_.data(), in, dy.data(), n, 0.0f, dw.data(), n});
+          });
+    } catch (const std::bad_alloc&) {
+      this->batch_too_large(B, rows);
+    }
     lanes.leave();
   }
 

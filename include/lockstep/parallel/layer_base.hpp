@@ -107,10 +107,23 @@ class layer_base {
   // Each operand in turn; the first that does not fit throws, naming it and both sizes.
   void expect(std::initializer_list<operand> ops) const {
     for (const operand& o : ops)
-      if (o.got != o.rows * o.cols)
-        throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1,
-                    std::string(o.what) + " has " + std::to_string(o.got) + " elements; expected " +
-                        std::to_string(o.rows * o.cols) + " (" + std::to_string(o.rows) + " x " + std::to_string(o.cols) + ")");
+      if (o.got != o.rows * o.cols) throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1, misfit(o));
+  }
+  // The same for a check that can only come after the batch exchange (a size that depends on the
+  // whole batch): the other ranks are then inside the call's collectives, waiting for this one, so
+  // the group is aborted with the reason first (as batch_too_large does), and each of them fails at
+  // once naming it, instead of at its timeout with no cause.
+  void expect_in_call(std::initializer_list<operand> ops) {
+    for (const operand& o : ops)
+      if (o.got != o.rows * o.cols) {
+        const std::string why = misfit(o);
+        g_.abort(cfg_.label + " on rank " + std::to_string(g_.rank()) + ": " + why);
+        throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1, why);
+      }
+  }
+  static std::string misfit(const operand& o) {
+    return std::string(o.what) + " has " + std::to_string(o.got) + " elements; expected " +
+           std::to_string(o.rows * o.cols) + " (" + std::to_string(o.rows) + " x " + std::to_string(o.cols) + ")";
   }
   // W_k's shape: in x this rank's columns (column split), this rank's input rows x out (row split).
   std::size_t w_rows() const noexcept { return cfg_.kind == layer_kind::column_split ? cfg_.in : slice_size(); }

@@ -48,7 +48,7 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
     this->b_ = {};  // the layer's once the forward is through (column_linear::forward)
     batch b = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
     const std::size_t B = b.total();
-    this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"}});
+    this->expect_in_call({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"}});
     auto lanes = this->make_lanes();
     try {  // the workspaces: Y here, the rounds' staging in reduce_rows
       y_.resize(this->g_, rows * out);
@@ -73,16 +73,20 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
                 std::span<float> dh, M&& mm) {
     const std::size_t rows = this->begin_backward(w.size(), dw.size());
     const std::size_t m_k = in_rows(), out = this->out(), B = this->b_.total();
-    this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"},
+    this->expect_in_call({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"},
                   {dy.size(), rows, out, "output gradient dy (this rank's rows x out)"},
                   {dh.size(), B, m_k, "input gradient dH_k (all ranks' rows x in_rows)"}});
     auto lanes = this->make_lanes();
-    dy_all_.resize(this->g_, B * out);
-    detail::gather_rows(this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), out, dy,
-                        dy_all_.span(), m_k, dh, [&](const float* dyr, std::size_t m, float* dhr) {
-                          lanes.gemm(mm, {false, true, m, m_k, out, dyr, out, w.data(), out, 0.0f, dhr, m_k});
-                        });
-    lanes.gemm(mm, {true, false, m_k, out, B, h.data(), m_k, dy_all_.data(), out, 0.0f, dw.data(), out});
+    try {  // dY's workspace and the rounds' staging: the peers are in the call's collectives
+      dy_all_.resize(this->g_, B * out);
+      detail::gather_rows(this->g_, lanes, this->topo_, this->codec_, this->b_, S::rounds(this->b_.rows), out, dy,
+                          dy_all_.span(), m_k, dh, [&](const float* dyr, std::size_t m, float* dhr) {
+                            lanes.gemm(mm, {false, true, m, m_k, out, dyr, out, w.data(), out, 0.0f, dhr, m_k});
+                          });
+      lanes.gemm(mm, {true, false, m_k, out, B, h.data(), m_k, dy_all_.data(), out, 0.0f, dw.data(), out});
+    } catch (const std::bad_alloc&) {
+      this->batch_too_large(B, rows);
+    }
     lanes.leave();
   }
 
