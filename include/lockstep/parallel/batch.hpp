@@ -5,7 +5,10 @@
 // Each forward call all-gathers one small descriptor per rank (layer kind, scheme, codec, shape,
 // rows); on a stream-ordered group the host waits for it (the row counts size the collectives). Every rank then holds the same table, so a disagreement (a rank with another scheme,
 // codec or shape) makes every rank throw the same errc::mismatch naming the two ranks and both
-// values, instead of some ranks entering collectives the others never call. Row counts may differ
+// values, instead of some ranks entering collectives the others never call. (Every rank that gets
+// that far: where the first rank to throw aborts the group, as run_inproc does when a rank's body
+// throws, a rank still inside the descriptors' all-gather fails with errc::aborted instead, its
+// message carrying the aborting rank's mismatch.) Row counts may differ
 // (a last partial batch): they become the per-rank counts of the layer's collectives.
 #pragma once
 
