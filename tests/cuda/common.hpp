@@ -33,7 +33,7 @@ std::vector<T> to_host(const T* d, std::size_t n, cudaStream_t s) {
 }
 
 // Normal values over several decades; with `specials`, a zero run, a NaN and an Inf placed so that
-// they land in different codec blocks of 512.
+// they land in different codec blocks of 512, and a block of values near FLT_MAX.
 inline std::vector<float> inputs(std::size_t n, std::uint32_t seed, bool specials = true) {
   std::mt19937 g(seed);
   std::normal_distribution<float> d(0.0f, 1.0f);
@@ -44,6 +44,11 @@ inline std::vector<float> inputs(std::size_t n, std::uint32_t seed, bool special
     for (std::size_t i = 1024; i < 1536; ++i) v[i] = 0.0f;
     v[2100] = std::numeric_limits<float>::quiet_NaN();
     v[3000] = std::numeric_limits<float>::infinity();
+  }
+  if (specials && n > 5120) {  // block 8 near FLT_MAX: absmax above 2^126, the encoders' stepped-down path
+    std::uniform_int_distribution<int> big(118, 124);
+    for (std::size_t i = 4096; i < 4608; ++i) v[i] = std::ldexp(d(g), big(g));
+    v[4100] = 3.0e38f;
   }
   return v;
 }

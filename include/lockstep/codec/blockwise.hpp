@@ -367,6 +367,7 @@ class blockwise {
   LOCKSTEP_NO_FP_CONTRACT static void decode_portable(const float* LOCKSTEP_RESTRICT t,
                                                       const std::uint8_t* LOCKSTEP_RESTRICT codes, std::size_t n,
                                                       float scale, float* LOCKSTEP_RESTRICT out) noexcept {
+    LOCKSTEP_FP_CONTRACT_OFF
     for (std::size_t i = 0; i < n; ++i) {
       float v = t[codes[i]] * scale;
 #if !LOCKSTEP_HAS_NO_FP_CONTRACT

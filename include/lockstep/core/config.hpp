@@ -47,8 +47,8 @@
 // The empty asm claims to change the value in its register and costs no instruction, but it keeps
 // a scalar loop from being unrolled and vectorised as before (decode_add on the portable loop
 // lost a third of its speed): such loops are marked LOCKSTEP_NO_FP_CONTRACT instead, a function
-// attribute under GCC (LOCKSTEP_HAS_NO_FP_CONTRACT 1), and take LOCKSTEP_ROUNDED only where there
-// is none (clang, nvcc's host pass).
+// attribute under GCC and a pragma under clang (LOCKSTEP_HAS_NO_FP_CONTRACT 1), and take
+// LOCKSTEP_ROUNDED only where there is neither (nvcc's host pass).
 #if defined(__CUDA_ARCH__) || !(defined(__GNUC__) || defined(__clang__))
 #define LOCKSTEP_ROUNDED(v) ((void)0)
 #elif defined(__x86_64__) || defined(__i386__)
@@ -58,10 +58,18 @@
 #else
 #define LOCKSTEP_ROUNDED(v) __asm__("" : "+m"(v))
 #endif
-#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+// LOCKSTEP_NO_FP_CONTRACT marks such a function (GCC: an attribute); LOCKSTEP_FP_CONTRACT_OFF
+// opens its body (clang: the pragma, which must come first in a compound statement).
+#if defined(__clang__) && !defined(__CUDACC__)
+#define LOCKSTEP_NO_FP_CONTRACT
+#define LOCKSTEP_FP_CONTRACT_OFF _Pragma("clang fp contract(off)")
+#define LOCKSTEP_HAS_NO_FP_CONTRACT 1
+#elif defined(__GNUC__) && !defined(__CUDACC__)
 #define LOCKSTEP_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define LOCKSTEP_FP_CONTRACT_OFF
 #define LOCKSTEP_HAS_NO_FP_CONTRACT 1
 #else
 #define LOCKSTEP_NO_FP_CONTRACT
+#define LOCKSTEP_FP_CONTRACT_OFF
 #define LOCKSTEP_HAS_NO_FP_CONTRACT 0
 #endif

@@ -40,7 +40,11 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
 
   // h: H_k (B x in_rows) for all ranks' rows; rows: how many of them are this rank's (B_k);
   // w: W_k (in_rows x out). Returns this rank's rows of Y (B_k x out), owned by the layer until the
-  // next forward.
+  // next forward. h's size depends on B, known only once the row counts are exchanged, when the
+  // peers are already in this call's collectives: a wrong size aborts the group with the reason
+  // (every rank fails at once naming it, instead of at its timeout), so unlike the checks before
+  // the exchange it leaves the group unusable, even where every rank passed the same wrong size.
+  // `rows` is taken as given: counts that are wrong but sum to the same B are not detected.
   template <matmul M>
   std::span<float> forward(std::span<const float> h, std::size_t rows, std::span<const float> w, M&& mm) {
     const std::size_t m_k = in_rows(), out = this->out();
