@@ -171,7 +171,7 @@ class blockwise {
     const std::size_t nb = blocks(n);
     std::uint8_t* LOCKSTEP_RESTRICT codes = this->codes(out, n);
     thread_local std::vector<float> sum;  // one block of in + residual
-    if (sum.size() < std::min(block_, n)) sum.resize(std::min(block_, n));  // not a whole block for a short buffer
+    if (const std::size_t need = std::min(block_, n); sum.size() < need) sum.resize(need);  // a short buffer: not a whole block
     float* LOCKSTEP_RESTRICT v = sum.data();
     for (std::size_t b = 0; b < nb; ++b) {
       const auto [lo, len] = block_span(b, n);

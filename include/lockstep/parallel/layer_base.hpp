@@ -115,11 +115,7 @@ class layer_base {
   // once naming it, instead of at its timeout with no cause.
   void expect_in_call(std::initializer_list<operand> ops) {
     for (const operand& o : ops)
-      if (o.got != o.rows * o.cols) {
-        const std::string why = misfit(o);
-        g_.abort(cfg_.label + " on rank " + std::to_string(g_.rank()) + ": " + why);
-        throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1, why);
-      }
+      if (o.got != o.rows * o.cols) fail_in_call(misfit(o));
   }
   static std::string misfit(const operand& o) {
     return std::string(o.what) + " has " + std::to_string(o.got) + " elements; expected " +
@@ -159,6 +155,10 @@ class layer_base {
     const std::string why = "cannot allocate the workspaces of a batch of " + std::to_string(total_rows) +
                             " rows (" + std::to_string(my_rows) + " on this rank; " + std::to_string(cfg_.in) + " in, " +
                             std::to_string(cfg_.out) + " out), or a product ran out of memory";
+    fail_in_call(why);
+  }
+  // This layer's error, told to the group first: its other ranks wait in the call's collectives.
+  [[noreturn]] void fail_in_call(const std::string& why) {
     g_.abort(cfg_.label + " on rank " + std::to_string(g_.rank()) + ": " + why);
     throw error(errc::invalid_argument, cfg_.label, g_.rank(), -1, why);
   }

@@ -77,7 +77,7 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
                 std::span<float> dh, M&& mm) {
     const std::size_t rows = this->begin_backward(w.size(), dw.size());
     const std::size_t m_k = in_rows(), out = this->out(), B = this->b_.total();
-    this->expect_in_call({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"},
+    this->expect({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"},
                   {dy.size(), rows, out, "output gradient dy (this rank's rows x out)"},
                   {dh.size(), B, m_k, "input gradient dH_k (all ranks' rows x in_rows)"}});
     auto lanes = this->make_lanes();
