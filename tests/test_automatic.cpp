@@ -265,8 +265,9 @@ TEST_CASE("direct is a candidate within a factor of two of a size where it measu
       FAIL("no ring case at " << b);
       return 0.0;
     };
+    // (out of cache, the bulk case: slower than the ring; its own test below)
     for (K& k : cases)
-      if (k.kind == K::direct) k.seconds = (k.bytes == mib ? at1 : at4) * ring(k.bytes);
+      if (k.kind == K::direct) k.seconds = (k.bytes == mib ? at1 : k.bytes == 4 * mib ? at4 : 1.1) * ring(k.bytes);
     return detail::fit_calibration(with_rates(), 4, seg, cases);
   };
   CHECK(fit(1.1, 1.1).direct_sizes.empty());
@@ -481,6 +482,72 @@ TEST_CASE("the segment test and direct at 4 MiB read calls in a row, not the sin
     const auto& d = fitted.direct_sizes;
     CHECK((std::find(d.begin(), d.end(), std::size_t{4} << 20) != d.end()) == against_row);
   }
+}
+
+TEST_CASE("direct measured fastest out of cache is a candidate for every call of the bulk tier",
+          "[automatic][direct]") {
+  using K = detail::calibration_case;
+  const std::size_t seg = std::size_t{1} << 20, mib = std::size_t{1} << 20, bulk = detail::bulk_probe_bytes;
+  // Timed cold at 32 MiB beside the bulk tier's pair, from 3 ranks on.
+  for (int size : {2, 3, 4, 8}) {
+    int n = 0;
+    for (const K& k : detail::calibration_cases(size)) n += k.kind == K::direct && k.bytes == bulk;
+    CHECK(n == (size > 2 ? 1 : 0));
+  }
+  const sim::link_params link{10e-6, 5e9, 0.8};
+  // direct's, the ring's and halving-doubling's times at 32 MiB; 1 and 4 MiB: direct 10% slower.
+  auto fit = [&](double direct, double ring, double hd) {
+    auto cases = simulated_cases(4, link, seg);
+    double ring_bulk = 0;
+    for (const K& k : cases)
+      if (k.kind == K::ring && k.bytes == bulk) ring_bulk = k.seconds;
+    REQUIRE(ring_bulk > 0);
+    for (K& k : cases) {
+      if (k.bytes == bulk) k.seconds = (k.kind == K::direct ? direct : k.kind == K::ring ? ring : hd) * ring_bulk;
+      if (k.kind == K::direct && k.bytes != bulk) {
+        for (const K& r : cases)
+          if (r.kind == K::ring && r.bytes == k.bytes && r.calls == k.calls) k.seconds = 1.1 * r.seconds;
+      }
+    }
+    return detail::fit_calibration(with_rates(), 4, seg, cases);
+  };
+  CHECK(fit(1.1, 1.0, 1.0).direct_sizes.empty());
+  // Faster than the ring but not than halving-doubling, which the bulk tier would choose: no.
+  CHECK(fit(0.9, 1.0, 0.9).direct_sizes.empty());
+  // Faster than both, but by less than the margin: no.
+  CHECK(fit(1 - detail::direct_margin / 2, 1.0, 1.0).direct_sizes.empty());
+  const automatic a = fit(0.7, 1.0, 0.98);
+  REQUIRE(a.direct_sizes == std::vector<std::size_t>{bulk});
+  REQUIRE(a.bulk_bytes == bulk / 2);
+  codec::fp32 c;
+  auto offered = [&](const automatic& x, std::size_t bytes) {
+    for (const choice& y : x.explain(operation::all_reduce, 4, bytes / sizeof(float), c, seg))
+      if (y.kind == choice::direct) return true;
+    return false;
+  };
+  // Every call of the tier, however large; none below it.
+  CHECK_FALSE(offered(a, 4 * mib));
+  CHECK_FALSE(offered(a, bulk / 2 - 4));
+  for (std::size_t bytes : {bulk / 2, bulk, 2 * bulk, 2 * bulk + 4, 32 * bulk}) {
+    CAPTURE(bytes);
+    CHECK(offered(a, bytes));
+  }
+  CHECK(a.choose(operation::all_reduce, 4, 4 * bulk / sizeof(float), c, seg).kind == choice::direct);
+  // Without a bulk tier (a size given by hand), a large size is a factor of two either way.
+  automatic no_tier = a;
+  no_tier.bulk_bytes = 0;
+  no_tier.forget_choices();
+  CHECK(offered(no_tier, 2 * bulk));
+  CHECK_FALSE(offered(no_tier, 2 * bulk + 4));
+  // Over a stream, and for an all-gather, never.
+  for (const choice& y : a.explain(operation::all_reduce, 4, 2 * bulk / sizeof(float), c, seg, true)) CHECK(y.kind != choice::direct);
+  for (const choice& y : a.explain(operation::all_gather, 4, 2 * bulk / sizeof(float), c, seg)) CHECK(y.kind != choice::direct);
+  // A missing time (a case that did not run) offers nothing.
+  auto cases = simulated_cases(4, link, seg);
+  std::erase_if(cases, [&](const K& k) { return k.kind == K::halving_doubling && k.bytes == bulk; });
+  for (K& k : cases)
+    if (k.kind == K::direct) k.seconds *= (k.bytes == bulk ? 0.5 : 1.2);
+  CHECK(detail::fit_calibration(with_rates(), 4, seg, cases).direct_sizes.empty());
 }
 
 TEST_CASE("forget_choices drops the choices cached on the old parameters", "[automatic]") {

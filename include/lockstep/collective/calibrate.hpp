@@ -14,7 +14,8 @@
 //     and in pairwise exchanges, so eta (link_params::exchange_efficiency) is what makes the
 //     simulator's halving-doubling / ring ratio the measured one;
 //   * the same two at 32 MiB, cold (evicted from the caches before each run; 3 ranks and more):
-//     the bulk tier's eta, for calls from 16 MiB (automatic::bulk_bytes);
+//     the bulk tier's eta, for calls from 16 MiB (automatic::bulk_bytes); and direct there too:
+//     where it measured faster than both, automatic offers it for every call of that tier;
 //   * the same ring and recursive doubling cases up to 64 KiB, on their own, with gamma measured
 //     in cache: automatic's cache tier (automatic::cache_bytes), the link small calls meet; and
 //     both at 256 KiB, which of the two tiers predicts better: where the tier ends;
@@ -128,9 +129,14 @@ inline std::vector<calibration_case> calibration_cases(int size) {
     cases.push_back({K::direct, std::size_t{1} << 20});
     cases.push_back({.kind = K::direct, .bytes = std::size_t{4} << 20, .calls = row_calls});
   }
-  // The ring and halving-doubling out of cache: the bulk tier's eta (automatic::bulk_bytes).
+  // The ring and halving-doubling out of cache: the bulk tier's eta (automatic::bulk_bytes); and
+  // direct beside them, whether it is offered there. Over the inproc transport on machine D (4
+  // ranks) direct ran 25..42% faster than either at 16 and 64 MiB in three jobs; over the mpi
+  // transport, the same jobs, 4..26% slower (its fan-in reads three peers' memory at once, which
+  // the threads of one process do from one address space and the processes through the
+  // transport's copies).
   if (size > 2)
-    for (K::kind_t k : {K::ring, K::halving_doubling}) cases.push_back({k, bulk_probe_bytes});
+    for (K::kind_t k : {K::ring, K::halving_doubling, K::direct}) cases.push_back({k, bulk_probe_bytes});
   return cases;
 }
 
@@ -285,6 +291,15 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     const int calls = b == (std::size_t{1} << 20) ? 1 : row_calls;
     if (const double d = time_of(K::direct, b, calls), r = time_of(K::ring, b, calls); d > 0 && r > 0 && d < r * (1 - direct_margin))
       a.direct_sizes.push_back(b);
+  }
+  // Out of cache, against the faster of the ring and halving-doubling (the bulk tier's eta makes
+  // the model choose between those two as they measured): offered for every call of the bulk tier
+  // (automatic::offers_direct), which starts at half this size where the bulk cases were timed.
+  {
+    const double d = time_of(K::direct, bulk_probe_bytes), r = time_of(K::ring, bulk_probe_bytes),
+                 h = time_of(K::halving_doubling, bulk_probe_bytes);
+    if (size > 2 && d > 0 && r > 0 && h > 0 && d < std::min(r, h) * (1 - direct_margin))
+      a.direct_sizes.push_back(bulk_probe_bytes);
   }
   // The segment test: the ring at 4 MiB in quarter segments against the group's. It says
   // something only where a ring chunk (4 MiB / size) holds more than one quarter segment (else

@@ -102,11 +102,15 @@ struct automatic {
   std::map<std::string, sim::codec_rates> cache_rates{};
   // Sizes (bytes per rank) at which topology::direct measured faster than the ring on this group:
   // direct is a candidate for calls within a factor of two of one of them, and for no other (by
-  // default none). Its gain on a host is memory traffic, which the model has only in part (the
-  // fan-in's one pass, not the transport's own copies nor the streamed final copies): over the
-  // mpi transport on machine C (4 ranks) direct ran 10..14% faster than the ring at 4 MiB and
-  // 10..15% slower at 1 MiB, where the simulator predicted it 4..9% faster at both
-  // (docs/benchmarks.md). calibrate_automatic times both at 1 and 4 MiB, all-reduces on its group,
+  // default none); a size in the bulk tier (at least bulk_bytes, far out of cache, where every call
+  // is bound by memory alike) offers it for every call from half that size up. Its gain on a host
+  // is memory traffic, which the model has only in part (the fan-in's one pass, not the
+  // transport's own copies nor the streamed final copies): over the mpi transport on machine C (4
+  // ranks) direct ran 10..14% faster than the ring at 4 MiB and 10..15% slower at 1 MiB, where the
+  // simulator predicted it 4..9% faster at both; on machine D at 16 and 64 MiB it ran 25..42%
+  // faster than the ring and halving-doubling over the inproc transport and 4..26% slower over the
+  // mpi transport (docs/benchmarks.md). calibrate_automatic times it at 1 and 4 MiB against the
+  // ring, and cold at 32 MiB against the ring and halving-doubling, all-reduces on its group,
   // so direct is offered for all-reduces and reduce-scatters (the fan-in is the reduce-scatter's;
   // an all-gather or broadcast over direct is a ring's steps to other peers), on groups of at most
   // direct_max_ranks, never on a stream (whose reduce-scatter does not fan in).
@@ -122,7 +126,8 @@ struct automatic {
       return false;
     const double bytes = static_cast<double>(count) * sizeof(float);
     for (std::size_t b : direct_sizes)
-      if (bytes >= 0.5 * static_cast<double>(b) && bytes <= 2.0 * static_cast<double>(b)) return true;
+      if (bytes >= 0.5 * static_cast<double>(b) && (bytes <= 2.0 * static_cast<double>(b) || (bulk_bytes > 0 && b >= bulk_bytes)))
+        return true;
     return false;
   }
 
