@@ -33,10 +33,11 @@
 //     reference) cannot do, and no o makes it see that (the overlap absorbs it).
 // The measurements are averaged over the group (an all_reduce: the same bits on every rank) before
 // any of this, so every rank holds the same parameters and makes the same choices. 2.3..2.5 s on
-// an idle 2-core machine with 4 ranks of shared memory, about a third of it the bulk cases and
-// more than a third the 4 MiB cases in a row, each with its fills and flushes (seconds more
-// over a slow network: they move 32 MiB per rank eight times); on a loaded one the fit describes
-// the load too, which is what the choices then face.
+// an idle 2-core machine with 4 ranks of shared memory (machine C, before direct's bulk case),
+// about a third of it the bulk cases and more than a third the 4 MiB cases in a row, each with
+// its fills and flushes; 1.1..1.6 s on machine D with direct's bulk case, 1.1..1.2 without
+// (seconds more over a slow network: the bulk cases move 32 MiB per rank twelve times); on a
+// loaded machine the fit describes the load too, which is what the choices then face.
 #pragma once
 
 #include <algorithm>
