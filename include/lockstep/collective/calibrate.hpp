@@ -132,8 +132,8 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   }
   // The ring and halving-doubling out of cache: the bulk tier's eta (automatic::bulk_bytes); and
   // direct beside them, whether it is offered there. Over the inproc transport on machine D (4
-  // ranks) direct ran 25..42% faster than either at 16 and 64 MiB in three jobs; over the mpi
-  // transport, the same jobs, 4..26% slower (its fan-in reads three peers' memory at once, which
+  // ranks) direct took 12..35% less time than either at 16 and 64 MiB in three jobs; over the mpi
+  // transport, the same jobs, 8..26% more (its fan-in reads three peers' memory at once, which
   // the threads of one process do from one address space and the processes through the
   // transport's copies).
   if (size > 2)

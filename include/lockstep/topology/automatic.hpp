@@ -107,9 +107,9 @@ struct automatic {
   // is memory traffic, which the model has only in part (the fan-in's one pass, not the
   // transport's own copies nor the streamed final copies): over the mpi transport on machine C (4
   // ranks) direct ran 10..14% faster than the ring at 4 MiB and 10..15% slower at 1 MiB, where the
-  // simulator predicted it 4..9% faster at both; on machine D at 16 and 64 MiB it ran 25..42%
-  // faster than the ring and halving-doubling over the inproc transport and 4..26% slower over the
-  // mpi transport (docs/benchmarks.md). calibrate_automatic times it at 1 and 4 MiB against the
+  // simulator predicted it 4..9% faster at both; on machine D at 16 and 64 MiB it took 12..35%
+  // less time than the ring and halving-doubling over the inproc transport and 8..26% more over
+  // the mpi transport (docs/benchmarks.md). calibrate_automatic times it at 1 and 4 MiB against the
   // ring, and cold at 32 MiB against the ring and halving-doubling, all-reduces on its group,
   // so direct is offered for all-reduces and reduce-scatters (the fan-in is the reduce-scatter's;
   // an all-gather or broadcast over direct is a ring's steps to other peers), on groups of at most
