@@ -190,6 +190,8 @@ TEST_CASE("calibrate_automatic leaves every rank with the same parameters", "[au
     // and the bulk tier
     CHECK(a.bulk_bytes == got[0].bulk_bytes);
     CHECK(a.bulk_exchange_efficiency == got[0].bulk_exchange_efficiency);
+    // and where direct is offered
+    CHECK(a.direct_sizes == got[0].direct_sizes);
   }
   // (none where the link's fit failed: a loaded machine's times can fit no positive beta)
   CHECK((got[0].bulk_bytes == detail::bulk_probe_bytes / 2 || got[0].bulk_bytes == 0));
@@ -249,11 +251,14 @@ TEST_CASE("direct is a candidate within a factor of two of a size where it measu
           "[automatic][direct]") {
   using K = detail::calibration_case;
   const std::size_t seg = std::size_t{1} << 20, mib = std::size_t{1} << 20;
-  // Timed at 1 and 4 MiB from 3 ranks on; at 2 ranks direct is the ring's exchange.
-  for (int size : {2, 3, 4, 8}) {
+  // Timed at 1 and 4 MiB from 3 ranks on; at 2 ranks direct is the ring's exchange; above
+  // direct_max_ranks, where it is never offered, not at all.
+  constexpr int most = automatic::direct_max_ranks;
+  for (int size : {2, 3, 4, 8, most, most + 1}) {
     int directs = 0;
-    for (const K& k : detail::calibration_cases(size)) directs += k.kind == K::direct && (k.bytes == mib || k.bytes == 4 * mib);
-    CHECK(directs == (size > 2 ? 2 : 0));
+    for (const K& k : detail::calibration_cases(size)) directs += k.kind == K::direct;
+    CAPTURE(size);
+    CHECK(directs == (size > 2 && size <= most ? 3 : 0));
   }
   const sim::link_params link{10e-6, 5e9, 0.8};
   // direct's times as a fraction of the ring's at 1 and 4 MiB -> the sizes automatic offers it at
@@ -547,6 +552,10 @@ TEST_CASE("direct measured fastest out of cache is a candidate for every call of
   std::erase_if(cases, [&](const K& k) { return k.kind == K::halving_doubling && k.bytes == bulk; });
   for (K& k : cases)
     if (k.kind == K::direct) k.seconds *= (k.bytes == bulk ? 0.5 : 1.2);
+  CHECK(detail::fit_calibration(with_rates(), 4, seg, cases).direct_sizes.empty());
+  // and direct's own case missing (its time then reads as none, not as zero seconds) neither.
+  cases = simulated_cases(4, link, seg);
+  std::erase_if(cases, [&](const K& k) { return k.kind == K::direct && k.bytes == bulk; });
   CHECK(detail::fit_calibration(with_rates(), 4, seg, cases).direct_sizes.empty());
 }
 

@@ -5,7 +5,7 @@
 // Measures gamma of fp32, bf16, int8 and dyntree8 on this machine (sim::measure_rates), out of
 // cache (16 MiB) and in cache (64 KiB), then
 // times fp32 all-reduces, each the median of a few runs, the cases taking turns round by round
-// (so that a machine that slows down mid-way slows every case alike, not the last ones; the two
+// (so that a machine that slows down mid-way slows every case alike, not the last ones; the three
 // bulk cases take turns in a phase of their own, last):
 //   * the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of two, recursive
 //     doubling (pairwise exchanges) at the same sizes: alpha and beta, fitted to the closed forms
@@ -35,7 +35,8 @@
 // any of this, so every rank holds the same parameters and makes the same choices. 2.3..2.5 s on
 // an idle 2-core machine with 4 ranks of shared memory (machine C, before direct's bulk case),
 // about a third of it the bulk cases and more than a third the 4 MiB cases in a row, each with
-// its fills and flushes; 1.1..1.6 s on machine D with direct's bulk case, 1.1..1.2 without
+// its fills and flushes; 1.1..1.6 s on machine D (4 processes over the mpi transport) with
+// direct's bulk case, 1.1..1.2 without
 // (seconds more over a slow network: the bulk cases move 32 MiB per rank twelve times); on a
 // loaded machine the fit describes the load too, which is what the choices then face.
 #pragma once
@@ -126,7 +127,9 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   // direct against the ring at the same sizes; at 2 ranks direct is the ring's one exchange. At
   // 4 MiB as the segment test's pair, against its ring: one warm call alone measured direct's
   // margin (memory traffic) away in 4 of 6 4-rank jobs whose bench ran it 12-15% ahead.
-  if (size > 2) {
+  // Not above automatic::direct_max_ranks, where direct is never offered.
+  const bool time_direct = size > 2 && size <= topology::automatic::direct_max_ranks;
+  if (time_direct) {
     cases.push_back({K::direct, std::size_t{1} << 20});
     cases.push_back({.kind = K::direct, .bytes = std::size_t{4} << 20, .calls = row_calls});
   }
@@ -136,8 +139,10 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   // transport, the same jobs, 8..26% more (its fan-in reads three peers' memory at once, which
   // the threads of one process do from one address space and the processes through the
   // transport's copies).
-  if (size > 2)
-    for (K::kind_t k : {K::ring, K::halving_doubling, K::direct}) cases.push_back({k, bulk_probe_bytes});
+  if (size > 2) {
+    for (K::kind_t k : {K::ring, K::halving_doubling}) cases.push_back({k, bulk_probe_bytes});
+    if (time_direct) cases.push_back({K::direct, bulk_probe_bytes});
+  }
   return cases;
 }
 

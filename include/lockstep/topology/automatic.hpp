@@ -6,7 +6,7 @@
 // For every call, automatic asks the simulator (sim/simulator.hpp: the discrete-event run of the
 // topologies' own schedules, the executor's segments and send window) how long this operation
 // would take over each candidate — ring, torus2d (most square), halving_doubling,
-// recursive_doubling, direct (where calibration measured it faster than the ring: direct_sizes) —
+// recursive_doubling, direct (where calibration measured it faster: direct_sizes) —
 // and each candidate segment size, on the link it was given (alpha, beta, eta; for small buffers,
 // those of its cache tier; for large ones, the bulk tier's eta) and the codec's measured gamma,
 // and runs the fastest; ties go to the earlier candidate in that order, and a segment size other than the
@@ -101,10 +101,12 @@ struct automatic {
   sim::link_params cache_link{};
   std::map<std::string, sim::codec_rates> cache_rates{};
   // Sizes (bytes per rank) at which topology::direct measured faster than the ring on this group:
-  // direct is a candidate for calls within a factor of two of one of them, and for no other (by
-  // default none); a size in the bulk tier (at least bulk_bytes, far out of cache, where every call
-  // is bound by memory alike) offers it for every call from half that size up. Its gain on a host
-  // is memory traffic, which the model has only in part (the fan-in's one pass, not the
+  // direct is a candidate for calls within a factor of two of one of them (by default none); a
+  // size in the bulk tier (at least bulk_bytes > 0, far out of cache, where every call is bound by
+  // memory alike) offers it for every call from half that size up. So the bulk rule follows
+  // bulk_bytes: where the bulk fit failed (bulk_bytes 0) such a size is a factor-of-two window
+  // like the others, and after editing either field call forget_choices(), as after any edit.
+  // Its gain on a host is memory traffic, which the model has only in part (the fan-in's one pass, not the
   // transport's own copies nor the streamed final copies): over the mpi transport on machine C (4
   // ranks) direct ran 10..14% faster than the ring at 4 MiB and 10..15% slower at 1 MiB, where the
   // simulator predicted it 4..9% faster at both; on machine D at 16 and 64 MiB it took 12..35%

@@ -13,8 +13,9 @@
 // memory in the reduce-scatter instead of a ring's 3(N-1)/N (80 against 144 MiB per rank).
 // Lossy codecs quantise each rank's own values once and the owner's sum once, as every topology.
 // The simulator runs that fan-in as the executor does (sim/simulator.hpp: the sends at once, one
-// pass over the copies). topology::automatic weighs it against the others only near the sizes
-// where its calibration measured direct faster than the ring (automatic::direct_sizes).
+// pass over the copies). topology::automatic weighs it against the others only where its
+// calibration measured direct faster (automatic::direct_sizes: near 1 or 4 MiB, or every call of
+// the bulk tier).
 #pragma once
 
 #include <cstdint>
