@@ -37,14 +37,17 @@
 
 // How far ahead (bytes) the 8-bit loops ask for the fp32 values they read; 0: they do not ask.
 // Whether asking helps is a property of the machine, measured (docs/codecs.md, "Software prefetch"):
-// on the AVX2-only EPYC (Zen 3) the hardware prefetcher fell behind the code loops and 8 KiB
-// ahead took int8's roundtrip from 49% to 60% of memcpy at 64 MiB; on the EPYC with AVX-512
-// (Zen 4) the same requests cost the encoders a third of their speed (dyntree8 encode 13.8
-// against 9.6 GB/s) and decode-add a quarter, on the AVX2 loops as much as on the AVX-512 ones.
-// GCC calls both machines znver3, so the default goes by the one thing the build knows: no
-// requests where AVX-512 is on. Define it to tune a build for another machine.
+// on the AVX2-only EPYC (Zen 3) the hardware prefetcher fell behind the codec loops and 8 KiB
+// ahead took int8's roundtrip from 49% to 60% of memcpy at 64 MiB; on the 2-core Intel Xeon
+// VM with AVX-512 (GCC: rocketlake) it took dyntree8's from 47..49% to 58..60% (encode 4.9 to 7.6
+// GB/s); on the EPYC with AVX-512 (Zen 4) the same requests cost the encoders a third of their
+// speed (dyntree8 encode 13.8 against 9.6 GB/s) and decode-add a quarter, on the AVX2 loops as
+// much as on the AVX-512 ones. So the default goes by the machine the build targets: none for
+// AMD Zen 4 and later (GCC 12 calls a Zen 4 znver3 with AVX-512, which no Zen 3 has; GCC 13
+// znver4), 8 KiB ahead elsewhere, with -march=native (the default of the Meson build) the
+// machine it runs on. Define it to tune a build for another machine.
 #ifndef LOCKSTEP_CODEC_PREFETCH_BYTES
-#if LOCKSTEP_HOST_AVX512
+#if defined(__znver4__) || defined(__znver5__) || (defined(__znver3__) && defined(__AVX512F__))
 #define LOCKSTEP_CODEC_PREFETCH_BYTES 0
 #else
 #define LOCKSTEP_CODEC_PREFETCH_BYTES 8192
