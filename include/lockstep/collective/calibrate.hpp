@@ -36,9 +36,15 @@
 // an idle 2-core machine with 4 ranks of shared memory (machine C, before direct's bulk case),
 // about a third of it the bulk cases and more than a third the 4 MiB cases in a row, each with
 // its fills and flushes; 1.1..1.6 s on machine D (4 processes over the mpi transport) with
-// direct's bulk case, 1.1..1.2 without
+// direct's bulk case, 1.1..1.2 without; 2.2..2.3 s for 4 threads over the inproc transport on
+// the Intel Xeon VM of 2026-12-06
 // (seconds more over a slow network: the bulk cases move 32 MiB per rank twelve times); on a
-// loaded machine the fit describes the load too, which is what the choices then face.
+// loaded machine the fit describes the load too, which is what the choices then face. Nor are
+// single calls after a barrier what a loop of calls meets where ranks share cores: on that Xeon
+// (4 processes on 2 cores) halving-doubling's and direct's 1 MiB cases read 2x and 3.5x the
+// bench's times for them, the ring's 1.2x, and the eta fitted from them chose halving-doubling's
+// schedule at 1 MiB where the ring ran 3..5% faster (docs/benchmarks.md, "Issue 18's targets on
+// the Intel Xeon VM again": rows of cold calls, tried there, gained nothing overall).
 #pragma once
 
 #include <algorithm>
