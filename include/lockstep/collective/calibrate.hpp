@@ -44,7 +44,8 @@
 // (4 processes on 2 cores) halving-doubling's and direct's 1 MiB cases read 2x and 3.5x the
 // bench's times for them, the ring's 1.2x, and the eta fitted from them chose halving-doubling's
 // schedule at 1 MiB where the ring ran 3..5% faster (docs/benchmarks.md, "Issue 18's targets on
-// the Intel Xeon VM again": rows of cold calls, tried there, gained nothing overall).
+// the Intel Xeon VM again": rows of cold calls and of warm ones, tried there, gained nothing
+// that six jobs could show).
 #pragma once
 
 #include <algorithm>
