@@ -22,8 +22,10 @@
 // mode's scheme (measure_step_rate; the GFLOP/s column), and the codecs' measured rates.
 // --calibrate takes α and the per-message overhead o from small messages on this very group
 // instead (the all-reduces at 4 KiB, 64 KiB and 1 MiB and the segment test of
-// calibrate_automatic, before any step is timed, so the steps stay out of sample); the bandwidth
-// stays --predict-gbit's. --burst-bytes / --burst-gbit: the links' token bucket (netlab's tbf:
+// calibrate_automatic, before any step is timed, so the steps stay out of sample), and α while
+// every rank's products run (measure_busy_latency_us), which the model gives a collective for the
+// part of its time it runs beside the products where the cores are shared (JSON predicted_ms;
+// predicted_idle_ms without it); the bandwidth stays --predict-gbit's. --burst-bytes / --burst-gbit: the links' token bucket (netlab's tbf:
 // 262144 bytes at 1 Gbit/s; 4.2 Gbit/s is the rate its bytes leave at in docs/scaling.md's fit).
 // --cores-per-rank (default: hardware threads / ranks, as --threads assumes the ranks share this
 // machine; 0: a core for each lane): below the product threads + 1, a collective's CPU part
@@ -72,7 +74,7 @@ struct options {
   double predict_gbit = 0;  // > 0: also the simulator's step (sim/hybrid.hpp) on links of this rate
   double latency_us = 0, exchange_efficiency = 0.699;  // netlab's fitted link (docs/scaling.md)
   double overhead_us = 0;  // o per message posted and read (sim::link_params::overhead_s)
-  double busy_latency_us = -1;  // --calibrate: α measured while the products run (printed, not modelled; -1: not measured)
+  double busy_latency_us = -1;  // --calibrate: α measured while the products run (sim::host_cores; -1: not measured)
   double cores_per_rank = -1;   // sim::host_cores; < 0: hardware threads / ranks (the ranks share this machine)
   bool calibrate = false;  // α and o from calibrate_automatic on this group
   double burst_bytes = 0;  // the links' token bucket (netlab's tbf burst: 262144 at 1 Gbit/s)
@@ -159,6 +161,7 @@ struct row {
   double step_ms = 0;
   transport::traffic sent;
   double predicted_ms = 0;  // the simulator's, with --predict-gbit
+  double predicted_idle_ms = 0;  // the same without the busy α (every message at the idle α)
   double sim_compute_ms = 0, sim_comm_ms = 0;  // its products alone, its collectives alone
   double flops_per_s = 0;   // the measured rate of the mode's products it took
 };
@@ -340,7 +343,7 @@ double cores_per_rank(const options& o, int ranks) {
 
 // The simulator's step for `mode` on the links of --predict-gbit.
 template <class G>
-sim::step_estimate predict(G& g, const options& o, const std::string& mode, double flops) {
+sim::step_estimate predict(G& g, const options& o, const std::string& mode, double flops, bool busy = true) {
   sim::cluster cl;
   cl.nic = {o.latency_us * 1e-6, o.predict_gbit * 1e9 / 8, o.exchange_efficiency};
   cl.nic.overhead_s = o.overhead_us * 1e-6;
@@ -356,7 +359,8 @@ sim::step_estimate predict(G& g, const options& o, const std::string& mode, doub
   if (cname == "bf16") c = model_with_rates(codec::bf16{});
   else if (cname == "int8") c = model_with_rates(codec::int8{});
   else if (cname == "dyntree8") c = model_with_rates(codec::dyntree8{});
-  const sim::host_cores cores{cores_per_rank(o, g.size()), omp_get_max_threads()};
+  const sim::host_cores cores{cores_per_rank(o, g.size()), omp_get_max_threads(),
+                              busy && o.busy_latency_us > 0 ? o.busy_latency_us * 1e-6 : 0.0};
   sim::step_estimate e;
   if (kind == "dp") e = sim::data_parallel_step(cl, c, h, flops, cores);
   else if (kind == "a") e = sim::hybrid_step<parallel::gather_all>(cl, c, f32, h, flops, cores);
@@ -470,6 +474,7 @@ row run_mode(G& g, const options& o, const std::string& mode, const step_rates_t
     r.flops_per_s = rates.of(mode);
     const sim::step_estimate e = predict(g, o, mode, r.flops_per_s);
     r.predicted_ms = e.step_s * 1e3, r.sim_compute_ms = e.compute_s * 1e3, r.sim_comm_ms = e.comm_s * 1e3;
+    r.predicted_idle_ms = predict(g, o, mode, r.flops_per_s, false).step_s * 1e3;
   }
   return r;
 }
@@ -514,9 +519,9 @@ void report(const options& o, const std::vector<row>& rows, const std::string& t
   if (o.json) {
     for (const auto& r : rows)
       std::printf("{\"bench\":\"hybrid\",\"transport\":\"%s\",\"ranks\":%d,\"batch\":%zu,\"features\":%zu,\"h1\":%zu,"
-                  "\"h2\":%zu,\"mode\":\"%s\",\"step_ms\":%.3f,\"predicted_ms\":%.3f,\"bytes\":%llu,\"messages\":%llu,"
+                  "\"h2\":%zu,\"mode\":\"%s\",\"step_ms\":%.3f,\"predicted_ms\":%.3f,\"predicted_idle_ms\":%.3f,\"bytes\":%llu,\"messages\":%llu,"
                   "\"header_bytes\":%llu,\"sim_gbit\":%.4f,\"sim_alpha_us\":%.2f,\"sim_overhead_us\":%.2f,\"sim_busy_alpha_us\":%.2f,\"sim_cores_per_rank\":%.3f,\"sim_gflops\":%.3f,\"sim_compute_ms\":%.3f,\"sim_comm_ms\":%.3f}\n",
-                  transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms, r.predicted_ms,
+                  transport_name.c_str(), ranks, o.batch, o.F, o.H1, o.H2, r.mode.c_str(), r.step_ms, r.predicted_ms, r.predicted_idle_ms,
                   static_cast<unsigned long long>(r.sent.bytes), static_cast<unsigned long long>(r.sent.messages),
                   static_cast<unsigned long long>(r.sent.header_bytes), o.predict_gbit, o.latency_us, o.overhead_us,
                   o.busy_latency_us, cores_per_rank(o, ranks), r.flops_per_s * 1e-9,
@@ -531,7 +536,8 @@ void report(const options& o, const std::vector<row>& rows, const std::string& t
                 o.predict_gbit, o.latency_us, o.overhead_us, o.exchange_efficiency,
                 o.calibrate ? " (alpha and overhead calibrated on this group)" : "", cores_per_rank(o, ranks));
   if (o.busy_latency_us >= 0)
-    std::printf("measured, not modelled: alpha %.1f us while every rank's products run without a pause\n", o.busy_latency_us);
+    std::printf("alpha %.1f us while every rank's products run without a pause (modelled beside the products)\n",
+                o.busy_latency_us);
   std::printf("%-12s %10s %8s %10s %14s %10s %8s %9s\n", "mode", "step ms", "x dp32", "sim ms", "bytes sent", "x dp32", "msgs",
               "GFLOP/s");
   for (const auto& r : rows) {

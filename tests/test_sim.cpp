@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <tuple>
 #include <random>
 
 #include <lockstep/codec.hpp>
@@ -1060,4 +1061,55 @@ TEST_CASE("shared cores: overlapped rounds give their CPU part to the products, 
   CHECK(hybrid<parallel::by_slice>(cl, f32, flops, shared).step_s ==
         Approx(hybrid<parallel::by_slice>(cl, f32, flops).step_s).epsilon(1e-9));
   CHECK(sim::detail::without_wire(cl).nic.bandwidth_Bps > 1e15);
+}
+
+TEST_CASE("busy latency: a collective beside the products moves at the busy pace while they run, idle after",
+          "[sim][hybrid]") {
+  // The blend of sim::detail::timeline::running, by hand.
+  sim::detail::timeline t;
+  t.serial = 1.0;
+  const sim::detail::cost x{2.0, 0.5, 6.0};  // 2 s idle, 6 s with every message at the busy alpha
+  CHECK(t.running(x, 10.0, 10.0) == 2.0);  // nothing runs beside it
+  CHECK(t.running(x, 10.0, 9.0) == 2.0);
+  CHECK(t.running(x, 0.0, 8.0) == 6.0);    // beside the products throughout
+  CHECK(t.running(x, 0.0, 3.0) == Approx(3.0 + 0.5 * 2.0));  // half its messages busy, the rest idle
+  t.serial = 0.0;  // a core for the worker: it never waits for the products' threads
+  CHECK(t.running(x, 0.0, 8.0) == 2.0);
+  t.serial = 1.0;
+  CHECK(t.running(sim::detail::cost{2.0, 0.5, 0.0}, 0.0, 8.0) == 2.0);  // no busy pace simulated
+
+  sim::cluster cl = gigabit();
+  cl.nic.latency_s = 200e-6;
+  cl.nic.bandwidth_Bps /= 100;  // rounds whose wire time outweighs their latency, as netlab's (b) broadcasts
+  const auto f32 = sim::model_of(codec::fp32{});
+  const double flops = 1e7;
+  const sim::host_cores shared{0.5, 1}, busy{0.5, 1, 20e-3}, low{0.5, 1, 100e-6}, own{2.0, 1, 20e-3};
+  sim::cluster all_busy = cl;
+  all_busy.nic.latency_s = all_busy.local.latency_s = 20e-3;
+  auto same = [](const sim::step_estimate& a, const sim::step_estimate& b) { CHECK(a.step_s == Approx(b.step_s).epsilon(1e-12)); };
+  // A busy alpha at or below the idle one, or a core of its own for the worker: nothing changes.
+  same(hybrid<parallel::by_slice>(cl, f32, flops, low), hybrid<parallel::by_slice>(cl, f32, flops, shared));
+  same(hybrid<parallel::by_slice>(cl, f32, flops, own), hybrid<parallel::by_slice>(cl, f32, flops));
+  same(sim::data_parallel_step(cl, f32, small_head, flops, own), sim::data_parallel_step(cl, f32, small_head, flops));
+  // (b) and (c) move their rounds beside the products: slower, but never slower than every message busy.
+  for (const auto& [with, without, bound] :
+       {std::tuple{hybrid<parallel::by_rank>(cl, f32, flops, busy), hybrid<parallel::by_rank>(cl, f32, flops, shared),
+                   hybrid<parallel::by_rank>(all_busy, f32, flops, shared)},
+        std::tuple{hybrid<parallel::by_slice>(cl, f32, flops, busy), hybrid<parallel::by_slice>(cl, f32, flops, shared),
+                   hybrid<parallel::by_slice>(all_busy, f32, flops, shared)}}) {
+    CHECK(with.step_s > without.step_s * 1.01);
+    CHECK(with.step_s <= bound.step_s + 1e-12);
+    CHECK(with.compute_s == Approx(without.compute_s));
+  }
+  // (a) and data-parallel: only what overlaps products (a's last reduce round beside dW1; the
+  // first two all-reduces beside backward) changes, never beyond every message busy.
+  for (const auto& [with, without, bound] :
+       {std::tuple{hybrid<parallel::gather_all>(cl, f32, flops, busy), hybrid<parallel::gather_all>(cl, f32, flops, shared),
+                   hybrid<parallel::gather_all>(all_busy, f32, flops, shared)},
+        std::tuple{sim::data_parallel_step(cl, f32, small_head, flops, busy),
+                   sim::data_parallel_step(cl, f32, small_head, flops, shared),
+                   sim::data_parallel_step(all_busy, f32, small_head, flops, shared)}}) {
+    CHECK(with.step_s >= without.step_s);
+    CHECK(with.step_s <= bound.step_s + 1e-12);
+  }
 }

@@ -14,7 +14,10 @@
 // all-gather. Where a rank has fewer cores than its lanes have threads (host_cores), the two lanes
 // are not independent: a collective's CPU part (its time on links of unbounded bandwidth: the
 // latency of its messages, which on shared cores is mostly waiting to be scheduled, their o and the
-// codec's work) comes out of the products' time while the two run at once. What it leaves out: the
+// codec's work) comes out of the products' time while the two run at once, and where
+// host_cores::busy_latency_s is given, the collective's messages wait that long each (for their
+// receiver to be scheduled between the products' threads) for the part of its time the products
+// run beside it, as measured on netlab's hosts sharing 2 cores. What it leaves out: the
 // descriptor's latency beyond one small all-gather, and the classifier (replicated, tiny) beyond
 // its product and one all-reduce. Ranks are taken to hold equal rows, so the slowest rank is any rank.
 // hybrid_model_step / data_parallel_model_step put the head between data-parallel convolutions
@@ -48,6 +51,10 @@ struct fc_head {
 struct host_cores {
   double cores_per_rank = 0;
   int compute_threads = 1;
+  // α of a message while the products fill the rank's cores (0: as idle). Where serial() > 0, a
+  // collective that runs while the products run sees it for the part of its time they overlap:
+  // each hop waits for its receiver to be scheduled between the products' threads.
+  double busy_latency_s = 0;
   constexpr double serial() const noexcept {
     if (cores_per_rank <= 0) return 0.0;
     return std::clamp(compute_threads + 1.0 - cores_per_rank, 0.0, 1.0);
@@ -57,7 +64,7 @@ struct host_cores {
 struct step_estimate {
   double step_s = 0;
   double compute_s = 0;  // products alone
-  double comm_s = 0;     // collectives alone, back to back
+  double comm_s = 0;     // collectives alone, back to back (no products beside them: the idle α)
 };
 
 namespace detail {
@@ -85,7 +92,14 @@ inline cluster without_wire(cluster cl) {
 // A collective's time and its CPU part.
 struct cost {
   double t = 0, cpu = 0;
+  double t_busy = 0;  // its time with host_cores::busy_latency_s per message (0: not simulated)
 };
+
+// The cluster whose messages wait `latency_s` each (the busy α), where that is more than its own.
+inline cluster with_latency(cluster cl, double latency_s) {
+  for (link_params* l : {&cl.nic, &cl.local}) l->latency_s = std::max(l->latency_s, latency_s);
+  return cl;
+}
 
 // One round's collective: a gather (all_gather_v, or a broadcast from the one rank taking part)
 // or a reduce (reduce_scatter_v) of `width` values per row.
@@ -115,13 +129,18 @@ inline double round_time_s(const cluster& cl, const codec_model& c, int K, const
 
 // The CPU part is simulated only where the lanes share cores (with_cpu): it costs a second run.
 inline cost round_cost(const cluster& cl, const codec_model& c, int K, const parallel::round_blocks& r, std::size_t width,
-                       bool gather, bool with_cpu) {
-  return {round_time_s(cl, c, K, r, width, gather), with_cpu ? round_time_s(without_wire(cl), c, K, r, width, gather) : 0.0};
+                       bool gather, bool with_cpu, double busy_latency_s = 0) {
+  cost x{round_time_s(cl, c, K, r, width, gather), with_cpu ? round_time_s(without_wire(cl), c, K, r, width, gather) : 0.0};
+  if (with_cpu && busy_latency_s > 0) x.t_busy = round_time_s(with_latency(cl, busy_latency_s), c, K, r, width, gather);
+  return x;
 }
 
 inline cost collective_cost(const cluster& cl, const codec_model& c, int K, std::size_t n,
-                            const std::function<topology::schedule(int)>& sched, bool finalize, bool with_cpu) {
-  return {collective_s(cl, c, K, n, sched, finalize), with_cpu ? collective_s(without_wire(cl), c, K, n, sched, finalize) : 0.0};
+                            const std::function<topology::schedule(int)>& sched, bool finalize, bool with_cpu,
+                            double busy_latency_s = 0) {
+  cost x{collective_s(cl, c, K, n, sched, finalize), with_cpu ? collective_s(without_wire(cl), c, K, n, sched, finalize) : 0.0};
+  if (with_cpu && busy_latency_s > 0) x.t_busy = collective_s(with_latency(cl, busy_latency_s), c, K, n, sched, finalize);
+  return x;
 }
 
 struct timeline {
@@ -135,6 +154,16 @@ struct timeline {
     const double overlap = std::clamp(busy_until - start, 0.0, x.t);
     return serial * x.cpu * overlap / x.t;
   }
+  // Collective x started at `start` while the products run until `busy_until`: it moves at its busy
+  // pace (t_busy) while they overlap, at its idle pace (t) after. Its time; what the products lose
+  // to it stays contention(x, ...) of its idle pace: the longer time is its messages waiting for
+  // the products' threads, not more work of its own.
+  double running(const cost& x, double start, double busy_until) const {
+    const double window = busy_until - start;
+    if (serial <= 0 || x.t_busy <= x.t || window <= 0) return x.t;
+    if (x.t_busy <= window) return x.t_busy;
+    return window + (1.0 - window / x.t_busy) * x.t;
+  }
 };
 
 // rounds: the round's collective, its product's seconds.
@@ -142,8 +171,9 @@ inline void gather_phase(timeline& t, const std::vector<cost>& comm, const std::
   double c = std::max(t.comm, t.compute);
   for (std::size_t r = 0; r < comm.size(); ++r) {
     const double start = c;
-    c += comm[r].t;
     // earlier rounds' products run until t.compute while round r moves
+    const double took = t.running(comm[r], start, t.compute);
+    c += took;
     t.compute += t.contention(comm[r], start, t.compute);
     t.compute = std::max(t.compute, c) + work[r];
     t.communicating += comm[r].t, t.computing += work[r];
@@ -155,11 +185,11 @@ inline void reduce_phase(timeline& t, const std::vector<double>& work, const std
   for (std::size_t r = 0; r < comm.size(); ++r) {
     t.compute += work[r];
     const double start = std::max(t.comm, t.compute);
-    t.comm = start + comm[r].t;
     // The products do not wait for the rounds: round r moves while every later product and the
     // overlap work run back to back (rounds never overlap each other, so nothing counts twice).
     double rest = overlap;
     for (std::size_t q = r + 1; q < work.size(); ++q) rest += work[q];
+    t.comm = start + t.running(comm[r], start, t.compute + rest);
     t.compute += t.contention(comm[r], start, t.compute + rest);
     t.communicating += comm[r].t, t.computing += work[r];
   }
@@ -187,14 +217,15 @@ step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec
     std::size_t m = 0;
     for (const auto& b : r) m += b.size();
     const double md = static_cast<double>(m);
-    g_fwd.push_back(detail::round_cost(cl, act, K, r, h.F, true, with_cpu));    // X rows
+    const double busy = cores.busy_latency_s;
+    g_fwd.push_back(detail::round_cost(cl, act, K, r, h.F, true, with_cpu, busy));    // X rows
     w1.push_back(mm(md, n_k, static_cast<double>(h.F)));            // Y_k = X W_k
     w2.push_back(mm(md, static_cast<double>(h.H2), n_k));           // partial Y2 = H_k W2_k
-    r_fwd.push_back(detail::round_cost(cl, act, K, r, h.H2, false, with_cpu));   // Y2 to its rows' owners
-    g_bwd.push_back(detail::round_cost(cl, act, K, r, h.H2, true, with_cpu));    // dY2 rows
+    r_fwd.push_back(detail::round_cost(cl, act, K, r, h.H2, false, with_cpu, busy));   // Y2 to its rows' owners
+    g_bwd.push_back(detail::round_cost(cl, act, K, r, h.H2, true, with_cpu, busy));    // dY2 rows
     w3.push_back(mm(md, n_k, static_cast<double>(h.H2)));           // dH_k = dY2 W2_kᵀ
     w4.push_back(mm(md, static_cast<double>(h.F), n_k));           // dX partial = dY1_k W_kᵀ
-    r_bwd.push_back(detail::round_cost(cl, act, K, r, h.F, false, with_cpu));    // dX to its rows' owners
+    r_bwd.push_back(detail::round_cost(cl, act, K, r, h.F, false, with_cpu, busy));    // dX to its rows' owners
   }
   const double Bd = static_cast<double>(B), rows_d = static_cast<double>(h.rows);
   const double desc = detail::collective_s(cl, fp32, K, 10u * static_cast<std::size_t>(K),
@@ -231,7 +262,7 @@ inline step_estimate data_parallel_step(const cluster& cl, const codec_model& gr
   auto ar = [&](std::size_t n) {
     return detail::collective_cost(cl, grads, K, n,
                                    [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true,
-                                   cores.serial() > 0);
+                                   cores.serial() > 0, cores.busy_latency_s);
   };
   const double F = static_cast<double>(h.F), H1 = static_cast<double>(h.H1), H2 = static_cast<double>(h.H2),
                NC = static_cast<double>(h.NC);
@@ -240,10 +271,13 @@ inline step_estimate data_parallel_step(const cluster& cl, const codec_model& gr
   const detail::cost a3 = ar(h.H2 * h.NC), a2 = ar(h.H1 * h.H2), a1 = ar(h.F * h.H1);
   detail::timeline t;
   t.serial = cores.serial();
-  double compute = fwd + b3, comm = compute + a3.t;  // a3 moves while b2 and b1 run
+  double compute = fwd + b3;
+  const double t3 = t.running(a3, compute, compute + b2 + b1);  // a3 moves while b2 and b1 run
+  double comm = compute + t3;
   compute += t.contention(a3, compute, compute + b2 + b1) + b2;
   const double start2 = std::max(comm, compute);  // a2 moves while b1 runs
-  comm = start2 + a2.t;
+  const double t2 = t.running(a2, start2, compute + b1);
+  comm = start2 + t2;
   compute += b1 + t.contention(a2, start2, compute + b1);
   comm = std::max(comm, compute) + a1.t;
   return {std::max(compute, comm), fwd + b3 + b2 + b1, a1.t + a2.t + a3.t};
