@@ -1077,6 +1077,32 @@ TEST_CASE("busy latency: a collective beside the products moves at the busy pace
   CHECK(t.running(x, 0.0, 8.0) == 2.0);
   t.serial = 1.0;
   CHECK(t.running(sim::detail::cost{2.0, 0.5, 0.0}, 0.0, 8.0) == 2.0);  // no busy pace simulated
+  CHECK(t.running(x, 0.0, 1.0) == Approx(1.0 + 5.0 / 6.0 * 2.0));     // a window shorter than its idle time
+  t.busy_pace = false;
+  CHECK(t.running(x, 0.0, 8.0) == 2.0);
+  t.busy_pace = true;
+
+  // The phases, by hand (serial 1, no CPU part: only the pace moves). Gather: round 0 at the idle
+  // pace (nothing before it), round 1 beside round 0's product: busy for 2 s of its 5, 1 s idle
+  // for the 3/5 left: ends at 1 + 2 + 0.6.
+  {
+    sim::detail::timeline g;
+    g.serial = 1.0;
+    sim::detail::gather_phase(g, {{1, 0, 5}, {1, 0, 5}}, {2, 2});
+    CHECK(g.comm == Approx(3.6));
+    CHECK(g.compute == Approx(5.6));
+    // Reduce: product 0 (1 s), round 0 beside product 1 and the overlap work (2 s: 2/5 busy, 0.6 s
+    // idle), round 1 beside the overlap work only (1 s of it left: 1/5 busy, 0.8 s idle).
+    sim::detail::timeline r;
+    r.serial = 1.0;
+    sim::detail::reduce_phase(r, {1, 1}, {{1, 0, 5}, {1, 0, 5}}, 1.0);
+    CHECK(std::max(r.compute, r.comm) == Approx(4.6));
+    r = {};
+    r.serial = 1.0;
+    r.busy_pace = false;
+    sim::detail::reduce_phase(r, {1, 1}, {{1, 0, 5}, {1, 0, 5}}, 1.0);
+    CHECK(std::max(r.compute, r.comm) == Approx(3.0));
+  }
 
   sim::cluster cl = gigabit();
   cl.nic.latency_s = 200e-6;
@@ -1112,4 +1138,42 @@ TEST_CASE("busy latency: a collective beside the products moves at the busy pace
     CHECK(with.step_s >= without.step_s);
     CHECK(with.step_s <= bound.step_s + 1e-12);
   }
+  // data-parallel's first two all-reduces run beside backward, its last one after it: slower with
+  // the busy alpha, faster than with every message busy.
+  CHECK(sim::data_parallel_step(cl, f32, small_head, flops, busy).step_s >
+        sim::data_parallel_step(cl, f32, small_head, flops, shared).step_s);
+  CHECK(sim::data_parallel_step(cl, f32, small_head, flops, busy).step_s <
+        sim::data_parallel_step(all_busy, f32, small_head, flops, shared).step_s);
+}
+
+TEST_CASE("busy latency never makes a step faster than its idle pace", "[sim][hybrid]") {
+  // A busy round ends later, so the next one starts later, overlaps fewer products and charges them
+  // less: the phases alone can come out shorter at the busy pace (these two do).
+  {
+    sim::detail::timeline b, i;
+    b.serial = i.serial = 1.0;
+    i.busy_pace = false;
+    sim::detail::gather_phase(b, {{1, 0, 1}, {0.5, 0, 5}, {2.5, 2.5, 2.5}}, {1, 2, 0});
+    sim::detail::gather_phase(i, {{1, 0, 1}, {0.5, 0, 5}, {2.5, 2.5, 2.5}}, {1, 2, 0});
+    CHECK(sim::detail::step_end(b) < sim::detail::step_end(i));
+  }
+  // The steps take the later of the two, for every scheme, codec and busy alpha tried.
+  sim::cluster cl = gigabit();
+  cl.nic.latency_s = 200e-6;
+  const auto f32 = sim::model_of(codec::fp32{});
+  const auto lossy = sim::model_of(codec::dyntree8{}, some_gamma());
+  for (const double bw : {1.0, 0.1, 0.01})
+    for (const double busy : {300e-6, 1e-3, 5e-3, 20e-3})
+      for (const double flops : {1e6, 1e7, 1e8})
+        for (const auto* c : {&f32, &lossy}) {
+          sim::cluster l = cl;
+          l.nic.bandwidth_Bps *= bw;
+          const sim::host_cores shared{0.5, 1}, with{0.5, 1, busy};
+          INFO("bandwidth x" << bw << ", busy alpha " << busy << ", flops " << flops);
+          CHECK(hybrid<parallel::gather_all>(l, *c, flops, with).step_s >= hybrid<parallel::gather_all>(l, *c, flops, shared).step_s);
+          CHECK(hybrid<parallel::by_rank>(l, *c, flops, with).step_s >= hybrid<parallel::by_rank>(l, *c, flops, shared).step_s);
+          CHECK(hybrid<parallel::by_slice>(l, *c, flops, with).step_s >= hybrid<parallel::by_slice>(l, *c, flops, shared).step_s);
+          CHECK(sim::data_parallel_step(l, *c, small_head, flops, with).step_s >=
+                sim::data_parallel_step(l, *c, small_head, flops, shared).step_s);
+        }
 }

@@ -147,6 +147,7 @@ struct timeline {
   double compute = 0, comm = 0;  // when each resource is next free
   double computing = 0, communicating = 0;
   double serial = 0;             // host_cores::serial()
+  bool busy_pace = true;         // false: every collective at its idle pace (t_busy ignored)
   // What collective x, running from `start`, takes from the products while the compute lane is
   // busy until `busy_until`: its CPU part in proportion to the time the two overlap.
   double contention(const cost& x, double start, double busy_until) const {
@@ -160,11 +161,13 @@ struct timeline {
   // the products' threads, not more work of its own.
   double running(const cost& x, double start, double busy_until) const {
     const double window = busy_until - start;
-    if (serial <= 0 || x.t_busy <= x.t || window <= 0) return x.t;
+    if (!busy_pace || serial <= 0 || x.t_busy <= x.t || window <= 0) return x.t;
     if (x.t_busy <= window) return x.t_busy;
     return window + (1.0 - window / x.t_busy) * x.t;
   }
 };
+
+inline double step_end(const timeline& t) { return std::max(t.compute, t.comm); }
 
 // rounds: the round's collective, its product's seconds.
 inline void gather_phase(timeline& t, const std::vector<cost>& comm, const std::vector<double>& work) {
@@ -233,20 +236,28 @@ step_estimate hybrid_step(const cluster& cl, const codec_model& act, const codec
   const double classifier = 3 * mm(rows_d, static_cast<double>(h.NC), static_cast<double>(h.H2));
   const double classifier_ar = detail::collective_s(cl, fp32, K, h.H2 * h.NC,
                                                     [&](int q) { return topology::all_reduce_schedule(topology::ring{}, q, K); }, true);
-  detail::timeline t;
-  t.serial = cores.serial();
-  t.comm = t.compute = desc;
-  detail::gather_phase(t, g_fwd, w1);
-  t.compute = t.comm = std::max(t.compute, t.comm) + desc;  // fc2's descriptor, after fc1's products
-  detail::reduce_phase(t, w2, r_fwd, 0.0);
-  t.compute = std::max(t.compute, t.comm) + classifier;
-  // the worker runs it before fc2's backward rounds, queued behind it; nothing overlaps it but ReLU
-  t.comm = std::max(t.comm, t.compute) + classifier_ar;
-  detail::gather_phase(t, g_bwd, w3);
-  t.compute += mm(n_k, static_cast<double>(h.H2), Bd);  // dW2 = H_kᵀ dY2
-  detail::reduce_phase(t, w4, r_bwd, mm(static_cast<double>(h.F), n_k, Bd));  // overlap: dW1 = Xᵀ dY1_k
+  auto run = [&](bool busy_pace) {
+    detail::timeline t;
+    t.serial = cores.serial();
+    t.busy_pace = busy_pace;
+    t.comm = t.compute = desc;
+    detail::gather_phase(t, g_fwd, w1);
+    t.compute = t.comm = std::max(t.compute, t.comm) + desc;  // fc2's descriptor, after fc1's products
+    detail::reduce_phase(t, w2, r_fwd, 0.0);
+    t.compute = std::max(t.compute, t.comm) + classifier;
+    // the worker runs it before fc2's backward rounds, queued behind it; nothing overlaps it but ReLU
+    t.comm = std::max(t.comm, t.compute) + classifier_ar;
+    detail::gather_phase(t, g_bwd, w3);
+    t.compute += mm(n_k, static_cast<double>(h.H2), Bd);  // dW2 = H_kᵀ dY2
+    detail::reduce_phase(t, w4, r_bwd, mm(static_cast<double>(h.F), n_k, Bd));  // overlap: dW1 = Xᵀ dY1_k
+    return t;
+  };
+  const detail::timeline t = run(true);
   step_estimate e;
-  e.step_s = std::max(t.compute, t.comm);
+  // A round that waits longer starts the next one later, which then overlaps fewer products and
+  // charges them less of its CPU part: the busy pace can shorten the timeline. Messages that wait
+  // longer never make a step faster, so the step is at least its idle-paced one.
+  e.step_s = std::max(std::max(t.compute, t.comm), detail::step_end(run(false)));
   e.compute_s = t.computing + classifier + mm(n_k, static_cast<double>(h.H2), Bd);
   e.comm_s = t.communicating + 2 * desc + classifier_ar;
   return e;
@@ -269,18 +280,23 @@ inline step_estimate data_parallel_step(const cluster& cl, const codec_model& gr
   const double fwd = mm(m, H1, F) + mm(m, H2, H1) + mm(m, NC, H2);
   const double b3 = 2 * mm(m, NC, H2), b2 = 2 * mm(m, H2, H1), b1 = 2 * mm(m, H1, F);
   const detail::cost a3 = ar(h.H2 * h.NC), a2 = ar(h.H1 * h.H2), a1 = ar(h.F * h.H1);
-  detail::timeline t;
-  t.serial = cores.serial();
-  double compute = fwd + b3;
-  const double t3 = t.running(a3, compute, compute + b2 + b1);  // a3 moves while b2 and b1 run
-  double comm = compute + t3;
-  compute += t.contention(a3, compute, compute + b2 + b1) + b2;
-  const double start2 = std::max(comm, compute);  // a2 moves while b1 runs
-  const double t2 = t.running(a2, start2, compute + b1);
-  comm = start2 + t2;
-  compute += b1 + t.contention(a2, start2, compute + b1);
-  comm = std::max(comm, compute) + a1.t;
-  return {std::max(compute, comm), fwd + b3 + b2 + b1, a1.t + a2.t + a3.t};
+  auto run = [&](bool busy_pace) {
+    detail::timeline t;
+    t.serial = cores.serial();
+    t.busy_pace = busy_pace;
+    double compute = fwd + b3;
+    const double t3 = t.running(a3, compute, compute + b2 + b1);  // a3 moves while b2 and b1 run
+    double comm = compute + t3;
+    compute += t.contention(a3, compute, compute + b2 + b1) + b2;
+    const double start2 = std::max(comm, compute);  // a2 moves while b1 runs
+    const double t2 = t.running(a2, start2, compute + b1);
+    comm = start2 + t2;
+    compute += b1 + t.contention(a2, start2, compute + b1);
+    comm = std::max(comm, compute) + a1.t;
+    return std::max(compute, comm);
+  };
+  // at least the idle-paced step, as hybrid_step's
+  return {std::max(run(true), run(false)), fwd + b3 + b2 + b1, a1.t + a2.t + a3.t};
 }
 
 // A whole CNN step (the papers' settings): the convolutions data-parallel on every rank's rows
