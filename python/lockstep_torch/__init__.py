@@ -141,10 +141,12 @@ def _cuda_engine(process_group, device_index, timeout, settings):
 
 
 @_atexit.register
-def _close_cuda_engines():
-    # Before the interpreter (and with it CUDA) is torn down: each waits for its pending calls.
+def _close_engines():
+    # Before the interpreter (and with it CUDA) is torn down: each waits for its pending calls,
+    # joins its worker and lets go of its process group, while threads may still take the GIL.
     with _lock:
         _plain_cuda_engines.clear()
+        _plain_engines.clear()
 
 
 class State:

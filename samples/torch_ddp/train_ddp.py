@@ -134,6 +134,7 @@ def train(rank, world, a):
 def spawned(rank, world, folder, a):
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     train(rank, world, a)
+    dist.destroy_process_group()  # its Gloo threads joined now, not while the interpreter exits
 
 
 def main():
@@ -156,6 +157,7 @@ def main():
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         train(dist.get_rank(), dist.get_world_size(), a)
+        dist.destroy_process_group()
         return
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="train_ddp_") as folder:

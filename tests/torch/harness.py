@@ -37,6 +37,13 @@ def _entry(rank, world, folder, body, args, backend):
     out = body(rank, world, *args)
     with open(os.path.join(folder, f"result.{rank}"), "wb") as f:
         pickle.dump(out, f)
+    # Tear down while the interpreter is whole: lockstep's cached engines (their workers joined,
+    # their references to the process group dropped), then the group, whose Gloo threads would
+    # otherwise drop their last work objects during finalisation, take the GIL and abort the
+    # process ("terminate called without an active exception", torch's known exit race).
+    import lockstep_torch
+    lockstep_torch._close_engines()
+    dist.destroy_process_group()
 
 
 def spawn(body, world, *args, backend="gloo"):

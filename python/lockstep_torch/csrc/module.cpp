@@ -51,6 +51,8 @@ struct py_callback {
   py::object fn;
   explicit py_callback(py::object f) : fn(std::move(f)) {}
   ~py_callback() {
+    // Dropped already (by the task that called it, with the GIL held): nothing to take the GIL for.
+    if (!fn) return;
     // While the interpreter finalises, taking the GIL ends this thread (pthread_exit), here in a
     // destructor: std::terminate. The reference is leaked instead; the process is ending.
     if (interpreter_finalizing()) {
@@ -118,7 +120,7 @@ class engine {
     auto cb = std::make_shared<py_callback>(std::move(done));
     group_t* g = g_.get();
     codecs* cs = &codecs_;
-    auto task = [g, t, buf, ck, ts, bs, cb, cs]() {
+    auto task = [g, t, buf, ck, ts, bs, cb, cs]() mutable {
       std::string failure;
       try {
         with_topology(ts, [&](const auto& topo) {
@@ -137,6 +139,13 @@ class engine {
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("lockstep_torch allreduce_hook completion");
       }
+      // The callable and the tensor go here, with the GIL held, not when the worker drops this
+      // task: the tensor's last reference may be its Python object's, and a thread that takes
+      // the GIL while the interpreter finalises is ended by pthread_exit, which in a destructor
+      // (where the task's captures would go) is std::terminate. Here it unwinds through the
+      // worker's loop, which lets it.
+      cb->fn = py::object();
+      t = at::Tensor();
     };
     py::gil_scoped_release nogil;
     g->submit(std::move(task), "allreduce_hook");
