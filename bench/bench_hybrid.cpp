@@ -25,8 +25,9 @@
 // calibrate_automatic, before any step is timed, so the steps stay out of sample), and α while
 // every rank's products run (measure_busy_latency_us), which the model gives a collective for the
 // part of its time it runs beside the products where the cores are shared (JSON predicted_ms;
-// predicted_idle_ms without it); the bandwidth stays --predict-gbit's. --burst-bytes / --burst-gbit: the links' token bucket (netlab's tbf:
-// 262144 bytes at 1 Gbit/s; 4.2 Gbit/s is the rate its bytes leave at in docs/scaling.md's fit).
+// predicted_idle_ms without it); the bandwidth stays --predict-gbit's. --burst-bytes /
+// --burst-gbit: the links' token bucket (netlab's tbf: 262144 bytes at 1 Gbit/s; 4.2 Gbit/s is
+// the rate its bytes leave at in docs/scaling.md's fit).
 // --cores-per-rank (default: hardware threads / ranks, as --threads assumes the ranks share this
 // machine; 0: a core for each lane): below the product threads + 1, a collective's CPU part
 // delays the products it runs beside (sim::host_cores). --comm-only: the steps without their
@@ -217,23 +218,33 @@ struct step_products {
 };
 
 // The rate of one step's own products, for --predict-gbit: step_products timed while every rank
-// runs the same, the median of 5 runs, as the simulator's flop accounting over that time, so the
-// model's compute is the step's measured compute: the small and transposed products, the weights
-// read once per round, cache misses and cores shared by the hosts included.
+// runs the same, as the simulator's flop accounting over that time, so the model's compute is the
+// step's measured compute: the small and transposed products, the weights read once per round,
+// cache misses and cores shared by the hosts included. Each run's time is its slowest rank's: a
+// step waits for its slowest rank, and where the hosts share cores the scheduler may give one of
+// them a core to itself for a while (netlab, 4 hosts on 2 cores, 2026-12-06: in most runs one
+// rank finished in about half the others' time; rank 0's own median was 2..8% under the median
+// of the slowest). The median of 5 runs; every rank returns the same rate.
 template <class G>
 double measure_step_rate(G& g, const options& o, const std::vector<std::size_t>& round_rows) {
+  constexpr std::size_t runs = 5;
   step_products products(g.size(), o, round_rows);
   products();
-  std::vector<double> ts;
-  for (int i = 0; i < 5; ++i) {
+  const auto K = static_cast<std::size_t>(g.size()), me = static_cast<std::size_t>(g.rank());
+  std::vector<float> ts(K * runs, 0.0f);  // (rank, run): gathered by a sum, each rank's own slots
+  for (std::size_t i = 0; i < runs; ++i) {
     barrier(g);
     const auto t0 = std::chrono::steady_clock::now();
     products();
-    ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    ts[me * runs + i] = static_cast<float>(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  barrier(g);
-  std::sort(ts.begin(), ts.end());
-  return products.flops() / ts[ts.size() / 2];
+  codec::fp32 exact;
+  all_reduce(g, std::span<float>(ts), topology::ring{}, exact, reduce_op::sum);
+  std::vector<double> slowest(runs, 0.0);
+  for (std::size_t k = 0; k < K; ++k)
+    for (std::size_t i = 0; i < runs; ++i) slowest[i] = std::max<double>(slowest[i], ts[k * runs + i]);
+  std::sort(slowest.begin(), slowest.end());
+  return products.flops() / slowest[runs / 2];
 }
 
 // Rows per round of scheme S when every rank holds `batch` rows.
