@@ -144,9 +144,13 @@ def _cuda_engine(process_group, device_index, timeout, settings):
 def _close_engines():
     # Before the interpreter (and with it CUDA) is torn down: each waits for its pending calls,
     # joins its worker and lets go of its process group, while threads may still take the GIL.
+    # The channel counts go too: they hold the process groups, which must be free to go with
+    # dist.destroy_process_group() (their Gloo threads joined then, not during finalisation).
+    # Only at the end: a State made after this could be given a channel a live State has.
     with _lock:
         _plain_cuda_engines.clear()
         _plain_engines.clear()
+        _channels.clear()
 
 
 class State:

@@ -41,9 +41,16 @@ def _entry(rank, world, folder, body, args, backend):
     # their references to the process group dropped), then the group, whose Gloo threads would
     # otherwise drop their last work objects during finalisation, take the GIL and abort the
     # process ("terminate called without an active exception", torch's known exit race).
+    import gc
+    import weakref
     import lockstep_torch
+    del out
+    gc.collect()  # States and DDP models kept alive by reference cycles only
     lockstep_torch._close_engines()
+    world_group = weakref.ref(dist.distributed_c10d._get_default_group())
     dist.destroy_process_group()
+    gc.collect()
+    assert world_group() is None, f"rank {rank}: the process group outlived destroy_process_group()"
 
 
 def spawn(body, world, *args, backend="gloo"):

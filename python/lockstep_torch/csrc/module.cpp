@@ -138,6 +138,10 @@ class engine {
         else cb->fn(py::str(failure));
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("lockstep_torch allreduce_hook completion");
+      } catch (const std::exception&) {
+        // (a C++ error from the call itself, e.g. a bad_alloc converting its argument: the hook's
+        // future then never completes, as with any callback that fails; the reset below must run.
+        // Not catch (...): a thread ended by pthread_exit must go on unwinding.)
       }
       // The callable and the tensor go here, with the GIL held, not when the worker drops this
       // task: the tensor's last reference may be its Python object's, and a thread that takes
