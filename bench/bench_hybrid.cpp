@@ -352,9 +352,11 @@ double cores_per_rank(const options& o, int ranks) {
   return static_cast<double>(std::max(1u, std::thread::hardware_concurrency())) / std::max(1, ranks);
 }
 
-// The simulator's step for `mode` on the links of --predict-gbit.
+// The simulator's step for `mode` on the links of --predict-gbit: with the busy α where it was
+// measured, and without it (`idle`). One codec model (its rates are measured) serves both, so the
+// two differ by the busy α alone.
 template <class G>
-sim::step_estimate predict(G& g, const options& o, const std::string& mode, double flops, bool busy = true) {
+sim::step_estimate predict(G& g, const options& o, const std::string& mode, double flops, double& idle_step_s) {
   sim::cluster cl;
   cl.nic = {o.latency_us * 1e-6, o.predict_gbit * 1e9 / 8, o.exchange_efficiency};
   cl.nic.overhead_s = o.overhead_us * 1e-6;
@@ -370,14 +372,16 @@ sim::step_estimate predict(G& g, const options& o, const std::string& mode, doub
   if (cname == "bf16") c = model_with_rates(codec::bf16{});
   else if (cname == "int8") c = model_with_rates(codec::int8{});
   else if (cname == "dyntree8") c = model_with_rates(codec::dyntree8{});
-  const sim::host_cores cores{cores_per_rank(o, g.size()), omp_get_max_threads(),
-                              busy && o.busy_latency_us > 0 ? o.busy_latency_us * 1e-6 : 0.0};
-  sim::step_estimate e;
-  if (kind == "dp") e = sim::data_parallel_step(cl, c, h, flops, cores);
-  else if (kind == "a") e = sim::hybrid_step<parallel::gather_all>(cl, c, f32, h, flops, cores);
-  else if (kind == "b") e = sim::hybrid_step<parallel::by_rank>(cl, c, f32, h, flops, cores);
-  else e = sim::hybrid_step<parallel::by_slice>(cl, c, f32, h, flops, cores);
-  return e;
+  auto step = [&](double busy_latency_s) {
+    const sim::host_cores cores{cores_per_rank(o, g.size()), omp_get_max_threads(), busy_latency_s};
+    if (kind == "dp") return sim::data_parallel_step(cl, c, h, flops, cores);
+    if (kind == "a") return sim::hybrid_step<parallel::gather_all>(cl, c, f32, h, flops, cores);
+    if (kind == "b") return sim::hybrid_step<parallel::by_rank>(cl, c, f32, h, flops, cores);
+    return sim::hybrid_step<parallel::by_slice>(cl, c, f32, h, flops, cores);
+  };
+  const sim::step_estimate idle = step(0.0);
+  idle_step_s = idle.step_s;
+  return o.busy_latency_us > 0 ? step(o.busy_latency_us * 1e-6) : idle;
 }
 
 template <class G, class Step>
@@ -483,9 +487,10 @@ row run_mode(G& g, const options& o, const std::string& mode, const step_rates_t
   skip_products = false;
   if (o.predict_gbit > 0) {
     r.flops_per_s = rates.of(mode);
-    const sim::step_estimate e = predict(g, o, mode, r.flops_per_s);
+    double idle_s = 0;
+    const sim::step_estimate e = predict(g, o, mode, r.flops_per_s, idle_s);
     r.predicted_ms = e.step_s * 1e3, r.sim_compute_ms = e.compute_s * 1e3, r.sim_comm_ms = e.comm_s * 1e3;
-    r.predicted_idle_ms = predict(g, o, mode, r.flops_per_s, false).step_s * 1e3;
+    r.predicted_idle_ms = idle_s * 1e3;
   }
   return r;
 }
