@@ -18,6 +18,8 @@
 #include "collective_matrix.hpp"
 
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <deque>
 #include <limits>
 #include <optional>
@@ -384,6 +386,29 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
                       }, quick),
                       Catch::Contains("codecs differ"));
   }
+  SECTION("mismatched topologies are found at once, also where a peer never sends to this rank") {
+    // Rank 1 runs halving-doubling, the others the ring: rank 1 waits for headers from 2 and 3
+    // first in its schedule's order... and 3 never sends to it (the ring's 3 sends to 0). Rank 0's
+    // ring header, already in, must be read within the slice, not after the 30 s timeout.
+    group_options slow;
+    slow.timeout = 30000ms;
+    const auto t = std::chrono::steady_clock::now();
+    for (int odd : {0, 1, 2, 3}) {
+      try {
+        run_inproc(4, [&](inproc_group& g) {
+          std::vector<float> v(1024);
+          codec::fp32 c;
+          if (g.rank() == odd) all_reduce(g, std::span<float>(v), topology::halving_doubling{}, c);
+          else all_reduce(g, std::span<float>(v), topology::ring{}, c);
+        }, slow);
+        FAIL("no error");
+      } catch (const error& e) {
+        CHECK(e.code() == errc::mismatch);
+        CHECK_THAT(e.what(), Catch::Contains("topolog"));
+      }
+    }
+    CHECK(std::chrono::steady_clock::now() - t < 10s);
+  }
   SECTION("a rank that never calls: the others time out naming the peer") {
     try {
       run_inproc(3, [](inproc_group& g) {
@@ -462,6 +487,42 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
     }, quick);
   }
   CHECK(std::chrono::steady_clock::now() - t0 < 15s);
+}
+
+// x86 adds two NaNs into the first operand's NaN: an exchange (recursive doubling, both ends adding
+// the same two values) must add them in one order on both ends, or the ranks end with different
+// bits where their inputs held NaNs of different signs (0.0f / 0.0f is the negative one).
+TEMPLATE_TEST_CASE("NaNs of different signs reduce to the same bits on every rank", "[collective][nan]", codec::fp32,
+                   codec::bf16) {
+  for (int n : {2, 3, 4, 5, 8}) {
+    for (const char* name : {"recursive_doubling", "ring", "halving_doubling", "direct", "torus2d"}) {
+      results out(n);
+      run_inproc(n, [&](inproc_group& g) {
+        std::vector<float> v(37);
+        for (std::size_t i = 0; i < v.size(); ++i) v[i] = input(g.rank(), i, false);
+        const float pos = std::numeric_limits<float>::quiet_NaN();
+        v[2] = g.rank() % 2 ? -pos : pos;
+        v[5] = g.rank() == 0 ? pos : -pos;
+        v[7] = g.rank() == n - 1 ? std::numeric_limits<float>::infinity() : -pos;
+        TestType c;
+        const std::string_view t(name);
+        if (t == "recursive_doubling") all_reduce(g, std::span<float>(v), topology::recursive_doubling{}, c);
+        else if (t == "ring") all_reduce(g, std::span<float>(v), topology::ring{}, c);
+        else if (t == "halving_doubling") all_reduce(g, std::span<float>(v), topology::halving_doubling{}, c);
+        else if (t == "direct") all_reduce(g, std::span<float>(v), topology::direct{}, c);
+        else all_reduce(g, std::span<float>(v), topology::torus2d{}, c);
+        out.put(g.rank(), v);
+      });
+      INFO(n << " ranks, " << name);
+      for (int r = 0; r < n; ++r) {
+        const auto& v = out.per_rank[static_cast<std::size_t>(r)];
+        CHECK(std::isnan(v[2]));
+        CHECK(std::isnan(v[5]));
+        CHECK(std::isnan(v[7]));
+        CHECK(std::memcmp(v.data(), out.per_rank[0].data(), v.size() * sizeof(float)) == 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("split groups: per-row and per-column all-reduces, as for distributed batch norm", "[collective][split]") {

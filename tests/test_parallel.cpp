@@ -260,5 +260,39 @@ TEST_CASE("ranks configured differently fail on every rank with a mismatch, with
     }, quick);
     for (const auto& s : seen) CHECK_THAT(s, Catch::Contains("after a forward that failed"));
   }
+  SECTION("a backward after a forward that failed its own argument checks is refused") {
+    // The checks before the batch exchange throw on every rank alike (no collective started, so
+    // nothing aborts): the previous step's batch must not survive them either (the layers used to
+    // check first and reset after, so this backward ran over step 1's rows).
+    std::vector<std::string> seen(4);
+    run_inproc(2, [&](inproc_group& g) {
+      const auto me = static_cast<std::size_t>(g.rank());
+      parallel::column_linear<parallel::gather_all, transport::inproc> fc(g, 6, 4);
+      fwd(fc);
+      std::vector<float> dy(4 * fc.cols()), dw(6 * fc.cols()), dx(2 * 6);
+      CHECK_THROWS_AS(fc.forward(std::span<const float>(x), std::span<const float>(w).first(6 * fc.cols() - 1), naive_gemm),
+                      error);
+      try {
+        fc.backward(std::span<const float>(dy), std::span<const float>(w).first(6 * fc.cols()), std::span<float>(dw),
+                    std::span<float>(dx), naive_gemm);
+        seen[me] = "no error";
+      } catch (const error& e) {
+        seen[me] = e.what();
+      }
+      parallel::row_linear<parallel::by_rank, transport::inproc> rl(g, 6, 5);
+      std::vector<float> h(4 * rl.in_rows()), ry(2 * 5), rdw(rl.in_rows() * 5), rdh(4 * rl.in_rows());
+      rl.forward(std::span<const float>(h), 2, std::span<const float>(w).first(5 * rl.in_rows()), naive_gemm);
+      CHECK_THROWS_AS(rl.forward(std::span<const float>(h), 2, std::span<const float>(w).first(5 * rl.in_rows() - 1), naive_gemm),
+                      error);
+      try {
+        rl.backward(std::span<const float>(h), std::span<const float>(ry), std::span<const float>(w).first(5 * rl.in_rows()),
+                    std::span<float>(rdw), std::span<float>(rdh), naive_gemm);
+        seen[2 + me] = "no error";
+      } catch (const error& e) {
+        seen[2 + me] = e.what();
+      }
+    }, quick);
+    for (const auto& s : seen) CHECK_THAT(s, Catch::Contains("after a forward that failed"));
+  }
   CHECK(std::chrono::steady_clock::now() - t0 < 20s);
 }

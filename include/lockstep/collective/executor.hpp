@@ -35,6 +35,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <span>
@@ -392,15 +393,32 @@ class schedule_run {
     headers_checked_ = !exchanges_headers;
   }
 
+  // A peer that runs another schedule (a different topology, root or size) may never send to this
+  // rank, while the header that says why is already in from another peer: waiting for the headers
+  // one at a time, in order, would sit out the whole timeout on the silent one and then blame it.
+  // So the wait for each is cut into slices, and between slices whatever has come in from the
+  // others is read. Headers that arrive in time cost nothing more than before.
+  static constexpr std::chrono::milliseconds header_slice{10};
   void check_headers() {
     if (headers_checked_) return;
     headers_checked_ = true;
-    for (std::size_t i = 0; i < from_.size(); ++i) {
-      if (!t_.wait(header_recvs_[i], g_.deadline()))
-        throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0, from_[i]));
+    std::vector<char> seen(from_.size(), 0);
+    auto check = [&](std::size_t i) {
+      seen[i] = 1;
       std::string why = describe_mismatch(mine_, theirs_[i]);
       if (!why.empty() && theirs_[i].layout != mine_.layout && mine_.layout) why += "; this rank's: " + op_.layout.str();
       if (!why.empty()) throw fail(errc::mismatch, from_[i], why);
+    };
+    const auto until = g_.deadline();
+    for (std::size_t i = 0; i < from_.size(); ++i) {
+      if (seen[i]) continue;
+      while (!t_.wait(header_recvs_[i], std::min(until, transport::clock::now() + header_slice))) {
+        for (std::size_t j = i + 1; j < from_.size(); ++j)
+          if (!seen[j] && t_.wait(header_recvs_[j], transport::clock::now())) check(j);
+        if (transport::clock::now() >= until)
+          throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0, from_[i]));
+      }
+      check(i);
     }
   }
 
@@ -494,10 +512,19 @@ class schedule_run {
 
   // The peer's partial sum, added into ours where the transport holds it, or, where the next step
   // sends it on (mark_forwards), straight into that message.
+  // In an exchange both ends add the same two values, and must add them in the same order: a + b
+  // and b + a are the same number but not the same NaN (x86 keeps the first operand's payload and
+  // sign), so the higher rank puts the lower rank's values first.
   void recv_reduce(const topology::step& st, std::size_t si, std::size_t k) {
     const segment& sg = recvs_[k];
+    const bool peer_first = topology::is_exchange(st) && st.recv_peer < g_.rank();
     if (!t_.consume(recv_reqs_[k], g_.deadline(), [&](const std::byte* data) {
-          if (!forward_sum(si, sg, data)) sp_.decode_add(codec_, data, sg.len, x_ + sg.lo);
+          if (peer_first) {
+            sp_.decode(codec_, data, sg.len, x_ + sg.lo);
+            sp_.decode_add(codec_, sg.wire, sg.len, x_ + sg.lo);  // our own values, as sent
+          } else if (!forward_sum(si, sg, data)) {
+            sp_.decode_add(codec_, data, sg.len, x_ + sg.lo);
+          }
         }))
       throw fail(errc::timeout, st.recv_peer, timeout_text("data from the peer", si, st.recv_peer));
   }

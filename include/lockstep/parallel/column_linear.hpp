@@ -53,12 +53,13 @@ class column_linear : public detail::layer_base<S, Tr, C, T> {
   // owned by the layer until the next forward; the caller may change it in place (bias, ReLU).
   template <matmul M>
   std::span<float> forward(std::span<const float> x, std::span<const float> w, M&& mm) {
+    // The batch is the layer's only once the forward is through: a backward after a forward that
+    // failed (every rank alike, so nothing aborted; its own argument checks included) must not go
+    // back over half-gathered rows, nor over the previous step's.
+    this->b_ = {};
     const std::size_t in = this->in(), n = cols();
     const std::size_t rows = this->rows_of(x.size(), in, "input x");
     this->expect({{w.size(), in, n, this->w_name()}});
-    // The batch is the layer's only once the forward is through: a backward after a forward that
-    // failed (every rank alike, so nothing aborted) must not go back over half-gathered rows.
-    this->b_ = {};
     batch b = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
     const std::size_t B = b.total();
     auto lanes = this->make_lanes();

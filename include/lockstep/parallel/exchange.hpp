@@ -126,7 +126,7 @@ void gather_rows(G& g, L& lanes, const T& topo, C& codec, const batch& b, const 
       compute(all_in.data() + at[r].start * w_in, at[r].m, all_out.data() + at[r].start * w_out);
     } else {
       scatter_rows(lanes, b, rounds[r], w_in, staged[r], all_in.data());
-      float* out = lanes.staging(at[r].m * w_out);
+      float* out = lanes.compute_staging(at[r].m * w_out);
       compute(staged[r], at[r].m, out);
       scatter_rows(lanes, b, rounds[r], w_out, out, all_out.data());
     }
@@ -150,11 +150,11 @@ void reduce_rows(G& g, L& lanes, const T& topo, C& codec, const batch& b, const 
     if (at[r].m == 0) continue;
     const float* in = all_in.data() + at[r].start * w_in;
     if (!at[r].in_place) {
-      float* staged = lanes.staging(at[r].m * w_in);
+      float* staged = lanes.compute_staging(at[r].m * w_in);
       pack_rows(lanes, b, rounds[r], w_in, all_in.data(), staged);
       in = staged;
     }
-    partial[r] = lanes.staging(at[r].m * w_out);
+    partial[r] = lanes.compute_staging(at[r].m * w_out);  // the wire reads it after handed()
     compute(in, at[r].m, partial[r]);
     counts[r] = counts_of(rounds[r], w_out);
     lanes.handed();

@@ -67,6 +67,7 @@ class lanes<G, false> {
   }
 
   float* staging(std::size_t n) { return staged_.emplace_back(n).data(); }  // (n), zeroed
+  float* compute_staging(std::size_t n) { return staging(n); }
   void wire_copy(void* dst, const void* src, std::size_t bytes) const {
     if (bytes) std::memcpy(dst, src, bytes);
   }
@@ -111,8 +112,14 @@ class lanes<G, true> {
     }
   }
 
-  // (n) in the group's space, uninitialised, freed on the wire behind the call's work.
-  float* staging(std::size_t n) { return reinterpret_cast<float*>(mem_.emplace_back(wire_.allocate(n * sizeof(float))).data()); }
+  // (n) in the group's space, uninitialised, freed behind the call's work. staging() allocates on
+  // the wire, for buffers the wire writes first; compute_staging() on the compute stream, for
+  // buffers the compute lane writes first. Stream-ordered memory is the allocating stream's until
+  // another stream waits for that stream: the pool may hand back a block the wire freed while the
+  // wire's earlier work still reads it, and a compute stream writing it at once would race that
+  // work (waiting for the wire instead would serialise compute behind the rounds in flight).
+  float* staging(std::size_t n) { return allocate_on(wire_, n); }
+  float* compute_staging(std::size_t n) { return allocate_on(compute_, n); }
   void wire_copy(void* dst, const void* src, std::size_t bytes) const { wire_.copy(dst, src, bytes); }
   void compute_copy(void* dst, const void* src, std::size_t bytes) const { compute_.copy(dst, src, bytes); }
 
@@ -151,6 +158,9 @@ class lanes<G, true> {
   }
 
  private:
+  float* allocate_on(space_type& s, std::size_t n) {
+    return reinterpret_cast<float*>(mem_.emplace_back(s.allocate(n * sizeof(float))).data());
+  }
   // `to` runs its later work after what `from` has queued so far.
   void cross(space_type& from, space_type& to) {
     event& e = joins_.emplace_back();

@@ -47,9 +47,9 @@ class row_linear : public detail::layer_base<S, Tr, C, T> {
   // `rows` is taken as given: counts that are wrong but sum to the same B are not detected.
   template <matmul M>
   std::span<float> forward(std::span<const float> h, std::size_t rows, std::span<const float> w, M&& mm) {
+    this->b_ = {};  // the layer's once the forward is through (column_linear::forward)
     const std::size_t m_k = in_rows(), out = this->out();
     this->expect({{w.size(), m_k, out, this->w_name()}});
-    this->b_ = {};  // the layer's once the forward is through (column_linear::forward)
     batch b = detail::exchange_batch(this->g_, this->topo_, this->cfg_, rows);
     const std::size_t B = b.total();
     this->expect_in_call({{h.size(), B, m_k, "input H_k (all ranks' rows x in_rows)"}});
