@@ -409,6 +409,33 @@ TEST_CASE("bad input and disagreeing ranks give clear errors within seconds", "[
     }
     CHECK(std::chrono::steady_clock::now() - t < 10s);
   }
+  SECTION("broadcast roots that differ are found by every topology, trees included") {
+    // Recursive doubling's broadcast is a binomial tree whose root receives nothing: two ranks
+    // that both call themselves root used to send and return with different data (over mpi), and
+    // roots 0 0 2 2 built two trees that never met.
+    const std::vector<std::vector<int>> cases{{0, 1}, {1, 0}, {0, 0, 2, 2}, {0, 1, 2}, {3, 3, 3, 0, 3}};
+    for (const auto& roots : cases) {
+      for (const char* name : {"recursive_doubling", "ring", "direct"}) {
+        INFO(name << ", roots " << roots.size());
+        const int n = static_cast<int>(roots.size());
+        try {
+          run_inproc(n, [&](inproc_group& g) {
+            std::vector<float> v(100, float(g.rank() + 1));
+            codec::fp32 c;
+            const int root = roots[static_cast<std::size_t>(g.rank())];
+            const std::string_view t(name);
+            if (t == "recursive_doubling") broadcast(g, std::span<float>(v), root, topology::recursive_doubling{}, c);
+            else if (t == "ring") broadcast(g, std::span<float>(v), root, topology::ring{}, c);
+            else broadcast(g, std::span<float>(v), root, topology::direct{}, c);
+          }, quick);
+          FAIL("no error");
+        } catch (const error& e) {
+          CHECK(e.code() == errc::mismatch);
+          CHECK_THAT(e.what(), Catch::Contains("root"));
+        }
+      }
+    }
+  }
   SECTION("a rank that never calls: the others time out naming the peer") {
     try {
       run_inproc(3, [](inproc_group& g) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include <lockstep/optim/lars.hpp>
@@ -250,6 +251,30 @@ TEST_CASE("LARS three steps worked by hand", "[lars]") {
       CHECK(w[2] == Approx(-0.6875f).epsilon(1e-6));
       CHECK(st.momentum()[0] == Approx(0.714f).epsilon(1e-6));
       CHECK(st.momentum()[2] == Approx(0.875f).epsilon(1e-6));
+    }
+  }
+}
+
+TEST_CASE("LARS norms hold for values whose fp32 squares under- or overflow", "[lars]") {
+  // An fp32 square is 0 below about 1e-19 and Inf above about 1.8e19; the norms are taken from
+  // fp64 squares, so λ does not depend on whether a tensor is long enough for the vector lanes.
+  // One tensor of n equal weights w and gradients g, momentum 0, lr 1:
+  //   λ = η·‖w‖ / (‖g‖ + β·‖w‖ + ε),  w' = w − λ·(g + β·w).
+  for (std::size_t n : {std::size_t{1}, std::size_t{127}, std::size_t{128}, std::size_t{4096}, std::size_t{4099}}) {
+    for (auto [wv, gv] : {std::pair{0.5f, 1e-23f}, {1e-23f, 0.01f}, {1e20f, 1.0f}, {0.5f, 1e20f}, {3e-30f, 2e-25f}}) {
+      INFO(n << " elements, w " << wv << ", g " << gv);
+      const optim::lars o{.momentum = 0.0f};
+      auto ps = optim::param_set::packed(std::vector<std::size_t>{n});
+      std::vector<float> w(ps.size(), wv), g(ps.size(), gv);
+      optim::state st(ps, o);
+      optim::update(o, ps, std::span<float>(w), std::span<const float>(g), st, {.lr = 1.0f});
+      const double wn = std::sqrt(double(n)) * double(wv), gn = std::sqrt(double(n)) * double(gv);
+      const double lambda = double(o.trust) * wn / (gn + double(o.weight_decay) * wn + double(o.epsilon));
+      const double want = double(wv) - lambda * (double(gv) + double(o.weight_decay) * double(wv));
+      for (std::size_t i = 0; i < n; ++i) {
+        REQUIRE(std::isfinite(w[i]));
+        REQUIRE(std::fabs(double(w[i]) - want) <= 1e-5 * std::fabs(want) + 1e-6 * std::fabs(double(wv)));
+      }
     }
   }
 }

@@ -521,3 +521,41 @@ TEST_CASE("sharded step with the average in the collective equals the fused step
   }
 }
 
+
+TEST_CASE("the gaps between tensors and the buffers' tails are the caller's, fused and sharded", "[step]") {
+  // param_set: gaps are never written; plan: the buffers hold at least params.size() elements.
+  // Each rank puts its own values in the gaps and past the end: a step must leave them there (the
+  // sharded step's all-gather carried the owner's gap values to every rank; the fused step
+  // refused buffers longer than the parameters).
+  const auto ps = optim::param_set::packed(std::vector<std::size_t>{100, 37, 5}, {}, 16);
+  REQUIRE(ps.size() > 142);  // gaps: 100..112, 149..160
+  const std::size_t extra = 16;
+  for (const mode m : {mode::fused, mode::sharded}) {
+    for (int n : {1, 3}) {
+      INFO((m == mode::fused ? "fused" : "sharded") << ", " << n << " ranks");
+      std::vector<std::vector<float>> tensors(static_cast<std::size_t>(n));
+      lockstep::run_inproc(n, [&](group<inproc>& g) {
+        const float mine = 1000.0f + float(g.rank());
+        std::vector<float> w(ps.size() + extra, mine), gr(ps.size() + extra, 0.0f);
+        for (std::size_t t = 0; t < ps.tensor_count(); ++t)
+          for (std::size_t i = ps[t].offset; i < ps[t].offset + ps[t].size; ++i) w[i] = weight0(i), gr[i] = grad(g.rank(), 0, i);
+        optim::lars opt{};
+        optim::state st(ps, opt);
+        lockstep::codec::fp32 codec;
+        const optim::plan<optim::lars> plan{.opt = opt, .params = ps, .st = st, .weights = w, .grads = gr};
+        if (m == mode::fused) optim::step(g, lockstep::topology::ring{}, codec, plan, 0.5f);
+        else optim::step_sharded(g, lockstep::topology::ring{}, codec, plan, 0.5f);
+        std::vector<float> values;
+        for (std::size_t i = 0, t = 0; i < w.size(); ++i) {
+          while (t < ps.tensor_count() && i >= ps[t].offset + ps[t].size) ++t;
+          const bool in_tensor = t < ps.tensor_count() && i >= ps[t].offset;
+          if (in_tensor) values.push_back(w[i]);
+          else if (w[i] != mine) FAIL("rank " << g.rank() << ": element " << i << " outside every tensor changed to " << w[i]);
+        }
+        tensors[static_cast<std::size_t>(g.rank())] = values;
+      });
+      for (const auto& t : tensors) CHECK(t == tensors[0]);
+      CHECK(tensors[0].size() == 142);
+    }
+  }
+}

@@ -380,9 +380,18 @@ class schedule_run {
       mine_.segment = seg_;
       mine_.seq = seq_;
       mine_.layout = op_.layout.id;
+      auto add = [](std::vector<int>& to, int p) {
+        if (p >= 0 && std::find(to.begin(), to.end(), p) == to.end()) to.push_back(p);
+      };
+      // Headers go along the schedule's edges, from sender to receiver. A broadcast's tree
+      // (recursive doubling's binomial one) has a root that receives nothing, and ranks that
+      // disagree on the root build trees that need not meet: two self-declared roots would each
+      // send and return, with different data and no error. So a broadcast's headers go both ways
+      // along every edge: each rank compares its root with every peer it sends to or receives from.
+      const bool both_ways = op_.kind == op_kind::broadcast;
       for (const auto& st : s_.steps) {
-        if (st.send_peer >= 0 && std::find(to_.begin(), to_.end(), st.send_peer) == to_.end()) to_.push_back(st.send_peer);
-        if (st.recv_peer >= 0 && std::find(from_.begin(), from_.end(), st.recv_peer) == from_.end()) from_.push_back(st.recv_peer);
+        add(to_, st.send_peer), add(from_, st.recv_peer);
+        if (both_ways) add(from_, st.send_peer), add(to_, st.recv_peer);
       }
       const std::uint32_t header_tag = (1u << 24) | tag();
       for (int p : to_) header_sends_.push_back(t_.isend(p, header_tag, &mine_, sizeof mine_));

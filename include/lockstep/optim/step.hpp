@@ -46,10 +46,12 @@
 // norms added from two fp32 partial sums instead of one fp64 sum.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../codec/bf16.hpp"
@@ -258,7 +260,11 @@ bucketed_step<Tr, T, C, Engine> begin_step(group<Tr>& g, const T& topo, C& codec
 // begin_step takes (its engine checks that the gradients cover the parameters).
 template <class Tr, class T, class C, class Plan>
 void step(group<Tr>& g, const T& topo, C& codec, const Plan& p, float lr) {
-  const bucket whole[1] = {{0, p.grads.size()}};
+  // The parameters' extent: the buffers may be longer (a plan's hold at least that many).
+  std::size_t n = 0;
+  if constexpr (requires { p.params.size(); }) n = p.params.size();
+  else n = p.table.params().size();
+  const bucket whole[1] = {{0, n}};
   auto s = begin_step(g, topo, codec, p, whole, lr);
   s.bucket_ready(0);
   s.wait();
@@ -325,6 +331,13 @@ void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, 
                              "reduce_scatter reported " + std::to_string(reported) + " of the chunk's " +
                                  std::to_string(hi - lo) + " elements final");
 
+  // The all-gather carries whole chunks, the gaps between tensors with them; the gaps are the
+  // caller's (param_set: never written), so each rank's go back as they were.
+  std::vector<std::pair<std::size_t, std::vector<float>>> gaps;
+  for (std::size_t t = 0, at = 0; t < ps.tensor_count(); at = ps[t].offset + ps[t].size, ++t)
+    if (ps[t].offset > at)
+      gaps.emplace_back(at, std::vector<float>(weights.begin() + static_cast<std::ptrdiff_t>(at),
+                                               weights.begin() + static_cast<std::ptrdiff_t>(ps[t].offset)));
   codec::fp32 exact;
   all_gather_inplace(g, weights.first(n), topo, exact, [&](std::size_t first, std::size_t count) {
     if (!bf || (first >= lo && first + count <= hi)) return;  // our own chunk's copy is written
@@ -339,6 +352,7 @@ void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, 
         bf[e] = codec::bf16_from_bits(std::bit_cast<std::uint32_t>(weights[e]));
     });
   });
+  for (const auto& [at, values] : gaps) std::copy(values.begin(), values.end(), weights.begin() + static_cast<std::ptrdiff_t>(at));
   p.st.count_step();
 }
 

@@ -45,16 +45,21 @@ namespace lockstep::optim {
 
 namespace detail {
 
-// Sums of squares over n elements. Sixteen fp32 lanes each add 8 squares (128 elements), then the
-// lanes are added into fp64 and, at the end, combined in a fixed order: the error stays at fp32
-// rounding (8 terms per fp32 partial) and a block's sum depends on its elements alone, never on the
-// ISA or the thread that takes it. The lanes are explicit vectors where the compiler has them
-// (GCC, Clang, nvcc's host pass): left to the auto-vectoriser, GCC 12 vectorised this loop well
-// when n was a constant and with shuffles at a quarter of the speed when it was not.
+// Sums of squares over n elements. Sixteen lanes each add 8 squares (128 elements), then the
+// lanes are added into fp64 accumulators and, at the end, combined in a fixed order: a block's sum
+// depends on its elements alone, never on the ISA or the thread that takes it. The squares are
+// taken in fp64 (the values widened first): an fp32 square is 0 below about 1e-19 and Inf above
+// about 1.8e19, which made a tensor's norm 0 or Inf, and LARS' trust ratio 1 or NaN, for values
+// fp32 holds well (a weight of 1e20, a gradient of 1e-23). (s·g + β·w) is formed in fp32 as the
+// update forms it. The lanes are explicit vectors where the compiler has them (GCC, Clang, nvcc's
+// host pass): left to the auto-vectoriser, GCC 12 vectorised this loop well when n was a constant
+// and with shuffles at a quarter of the speed when it was not.
 #if defined(__GNUC__) || defined(__clang__)
 using lanes8 = float __attribute__((vector_size(32)));
+using lanes8d = double __attribute__((vector_size(64)));
 // By reference: returning a 32-byte vector by value would change the ABI between -mavx and not.
 inline void load8(lanes8& v, const float* p) noexcept { std::memcpy(&v, p, sizeof v); }
+inline void widen8(lanes8d& out, const lanes8& v) noexcept { out = __builtin_convertvector(v, lanes8d); }
 #else
 struct lanes8 {  // the same arithmetic, one lane at a time
   float x[8];
@@ -64,7 +69,15 @@ struct lanes8 {  // the same arithmetic, one lane at a time
   friend lanes8 operator*(lanes8 a, lanes8 b) noexcept { for (int i = 0; i < 8; ++i) a.x[i] *= b.x[i]; return a; }
   friend lanes8 operator*(float s, lanes8 a) noexcept { for (int i = 0; i < 8; ++i) a.x[i] *= s; return a; }
 };
+struct lanes8d {
+  double x[8];
+  double& operator[](int i) noexcept { return x[i]; }
+  double operator[](int i) const noexcept { return x[i]; }
+  friend lanes8d operator+(lanes8d a, lanes8d b) noexcept { for (int i = 0; i < 8; ++i) a.x[i] += b.x[i]; return a; }
+  friend lanes8d operator*(lanes8d a, lanes8d b) noexcept { for (int i = 0; i < 8; ++i) a.x[i] *= b.x[i]; return a; }
+};
 inline void load8(lanes8& v, const float* p) noexcept { std::memcpy(v.x, p, sizeof v.x); }
+inline void widen8(lanes8d& out, const lanes8& v) noexcept { for (int i = 0; i < 8; ++i) out.x[i] = double(v.x[i]); }
 #endif
 
 // One element's terms of the sums of squares in fp64, each only when asked for: w², g², and
@@ -84,19 +97,17 @@ tensor_sums sum_squares(const float* w, const float* g, std::size_t n, float gra
   const float s = grad_scale, b = decay;
   const std::size_t full = n / run * run;
   for (std::size_t i = 0; i < full; i += run) {
-    lanes8 fw[2] = {}, fg[2] = {}, fd[2] = {};
+    lanes8d fw[2] = {}, fg[2] = {}, fd[2] = {};
     for (std::size_t k = 0; k < run; k += lanes)
       for (int h = 0; h < 2; ++h) {
         const std::size_t at = i + k + 8 * static_cast<std::size_t>(h);
         lanes8 x, y;
+        lanes8d e;
         if constexpr (W || D) load8(x, w + at);
         if constexpr (G || D) load8(y, g + at);
-        if constexpr (W) fw[h] = fw[h] + x * x;
-        if constexpr (G) fg[h] = fg[h] + y * y;
-        if constexpr (D) {
-          const lanes8 d = s * y + b * x;
-          fd[h] = fd[h] + d * d;
-        }
+        if constexpr (W) widen8(e, x), fw[h] = fw[h] + e * e;
+        if constexpr (G) widen8(e, y), fg[h] = fg[h] + e * e;
+        if constexpr (D) widen8(e, s * y + b * x), fd[h] = fd[h] + e * e;
       }
     for (int j = 0; j < 8; ++j)
       for (int h = 0; h < 2; ++h) {

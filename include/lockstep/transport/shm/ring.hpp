@@ -224,8 +224,19 @@ class ring_writer {
         s->done.store(true, std::memory_order_relaxed);
         return;
       case send_state::queued:
-        queue_.erase(std::remove(queue_.begin(), queue_.end(), s), queue_.end());
-        s->done.store(true, std::memory_order_relaxed);
+        // Sends queued behind it (the rest of the failing call's segments, one tag) would take
+        // its place at the receiver, whose receive for it would then read the next segment: a
+        // false mismatch that hides the failure, or, sizes alike, the wrong bytes. So it goes out
+        // in its place as a withdrawn message (zeros, then the withdrawn trailer), as one caught
+        // midway does; only the last in the queue is dropped unsent.
+        if (queue_.back() != s) {
+          s->by_ref = false;
+          s->data = nullptr;
+          s->withdrawn = true;
+        } else {
+          queue_.pop_back();
+          s->done.store(true, std::memory_order_relaxed);
+        }
         pump(r, bell);  // settles the ring's starved flag
         return;
       case send_state::streaming:
