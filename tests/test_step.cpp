@@ -559,3 +559,43 @@ TEST_CASE("the gaps between tensors and the buffers' tails are the caller's, fus
     }
   }
 }
+
+TEST_CASE("sharded LARS keeps fp64's range in the norms it gathers", "[step]") {
+  // The per-rank partial sums of squares used to be all-reduced as fp32: a weight of 1e20 made
+  // ‖w‖² Inf (λ NaN) and a gradient of 1e-23 made ‖g‖² 0 (λ 1). Tensor 0 is cut by the chunks of
+  // 3 ranks; the fused step (one rank's fp64 sums) is the reference.
+  const auto ps = optim::param_set::packed(std::vector<std::size_t>{300, 7, 200});
+  auto fill = [&](std::vector<float>& w, std::vector<float>& gr, int rank) {
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      const bool t0 = i < 300, t1 = i >= ps[1].offset && i < ps[1].offset + 7;
+      w[i] = t0 ? 1e20f * (1.0f + 0.001f * float(i % 7)) : t1 ? 0.5f : 1e-23f * float(1 + i % 5);
+      gr[i] = t0 ? 1.0f + float(rank) : t1 ? 1e-23f * float(1 + rank) : 2e-25f;
+    }
+  };
+  std::vector<std::vector<float>> got(2);
+  for (const mode m : {mode::fused, mode::sharded}) {
+    std::vector<std::vector<float>> per(3);
+    lockstep::run_inproc(3, [&](group<inproc>& g) {
+      std::vector<float> w(ps.size()), gr(ps.size());
+      fill(w, gr, g.rank());
+      optim::lars opt{.momentum = 0.0f};
+      optim::state st(ps, opt);
+      lockstep::codec::fp32 codec;
+      const optim::plan<optim::lars> plan{.opt = opt, .params = ps, .st = st, .weights = w, .grads = gr};
+      if (m == mode::fused) optim::step(g, lockstep::topology::ring{}, codec, plan, 1.0f);
+      else optim::step_sharded(g, lockstep::topology::ring{}, codec, plan, 1.0f);
+      per[static_cast<std::size_t>(g.rank())] = w;
+    });
+    for (const auto& w : per) CHECK(w == per[0]);
+    got[m == mode::fused ? 0 : 1] = per[0];
+  }
+  std::vector<float> w0(ps.size()), g0(ps.size());
+  fill(w0, g0, 0);
+  for (std::size_t t = 0; t < ps.tensor_count(); ++t)
+  for (std::size_t i = ps[t].offset; i < ps[t].offset + ps[t].size; ++i) {
+    INFO("element " << i);
+    REQUIRE(std::isfinite(got[1][i]));
+    CHECK(got[1][i] != w0[i]);  // every tensor moved: no λ of 0 or NaN
+    CHECK(std::fabs(double(got[1][i]) - double(got[0][i])) <= 1e-6 * std::fabs(double(got[0][i])));
+  }
+}

@@ -20,7 +20,8 @@
 // on two ranks are encoded without the error-feedback residual, which differs from rank to rank.
 //
 // Each rank sends every peer it will send to a header (op, count, codec, topology, root, segment
-// size, call number) and checks the header of every peer it will receive from before it posts a
+// size, call number) and checks the header of every peer it will receive from (a broadcast: and
+// of every peer it sends to, as its root receives nothing) before it posts a
 // receive, reads, encodes or finalises anything: a mismatch between ranks is an error naming both
 // sides, never a truncation or a hang, and a failing call leaves this rank's buffer and its
 // error-feedback residuals untouched. Only the first step's fp32 sends go out beside the headers
@@ -182,6 +183,8 @@ class schedule_run {
   static constexpr bool exchanges_headers = !space_type::ordered;
   // fp32's first-step sends wait for the headers and the receives too (see above).
   static constexpr bool receives_first = requires { requires T::sends_wait_for_receives; };
+  // Whether a wait may time out and be tried again (check_headers' slices): not over Gloo.
+  static constexpr bool waits_may_lapse = !requires { requires T::waits_end_the_transport; };
   // Whether the space writes final copies its own way (space::host: streaming stores); where it
   // has no copy_final (CUDA) the executor does not look for them.
   static constexpr bool streams_final_copies =
@@ -406,26 +409,33 @@ class schedule_run {
   // rank, while the header that says why is already in from another peer: waiting for the headers
   // one at a time, in order, would sit out the whole timeout on the silent one and then blame it.
   // So the wait for each is cut into slices, and between slices whatever has come in from the
-  // others is read. Headers that arrive in time cost nothing more than before.
+  // others is read. Headers that arrive in time cost nothing more than before. A transport whose
+  // timed-out wait ends it (c10d over Gloo) waits for each header once, up to the deadline.
   static constexpr std::chrono::milliseconds header_slice{10};
   void check_headers() {
     if (headers_checked_) return;
     headers_checked_ = true;
-    std::vector<char> seen(from_.size(), 0);
+    seen_.assign(from_.size(), 0);
     auto check = [&](std::size_t i) {
-      seen[i] = 1;
+      seen_[i] = 1;
       std::string why = describe_mismatch(mine_, theirs_[i]);
       if (!why.empty() && theirs_[i].layout != mine_.layout && mine_.layout) why += "; this rank's: " + op_.layout.str();
       if (!why.empty()) throw fail(errc::mismatch, from_[i], why);
     };
     const auto until = g_.deadline();
+    auto timed_out = [&](std::size_t i) {
+      return fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0, from_[i]));
+    };
     for (std::size_t i = 0; i < from_.size(); ++i) {
-      if (seen[i]) continue;
-      while (!t_.wait(header_recvs_[i], std::min(until, transport::clock::now() + header_slice))) {
-        for (std::size_t j = i + 1; j < from_.size(); ++j)
-          if (!seen[j] && t_.wait(header_recvs_[j], transport::clock::now())) check(j);
-        if (transport::clock::now() >= until)
-          throw fail(errc::timeout, from_[i], timeout_text("header from the peer: it has not entered this collective", 0, from_[i]));
+      if (seen_[i]) continue;
+      if constexpr (!waits_may_lapse) {
+        if (!t_.wait(header_recvs_[i], until)) throw timed_out(i);
+      } else {
+        while (!t_.wait(header_recvs_[i], std::min(until, transport::clock::now() + header_slice))) {
+          for (std::size_t j = i + 1; j < from_.size(); ++j)
+            if (!seen_[j] && t_.wait(header_recvs_[j], transport::clock::now())) check(j);
+          if (transport::clock::now() >= until) throw timed_out(i);
+        }
       }
       check(i);
     }
@@ -786,6 +796,7 @@ class schedule_run {
   wire_header mine_;
   std::vector<int> to_, from_;
   std::vector<wire_header> theirs_;
+  std::vector<char> seen_;  // check_headers: which of theirs_ have been compared
   std::vector<typename T::request> header_sends_, header_recvs_;
   bool headers_checked_ = false;
 

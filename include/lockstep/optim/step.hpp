@@ -37,13 +37,14 @@
 //   1. reduce_scatter_inplace with `codec`; epilogue on the rank's chunk:
 //        SGD:  the update of the chunk (20 B/param of the chunk).
 //        LARS: per-block sums over the chunk: reads w, g (8 B/param of the chunk).
-//   2. LARS only: all_reduce (ring of `topo`, fp32) of 3 floats per tensor — the partial sums of
-//      w², g², (g + βw)² — so every rank knows every tensor's norms; then the update of the chunk
-//      (20 B/param of the chunk).
+//   2. LARS only: all_gather (`topo`, fp32 as a plain copy) of each rank's fp64 partial sums of
+//      w², g², (g + βw)² per tensor, carried as bit patterns, added by every rank in rank order:
+//      every rank knows every tensor's norms, with fp64's range (an fp32 sum of squares is Inf
+//      from 1.8e19 up); then the update of the chunk (20 B/param of the chunk).
 //   3. all_gather_inplace of the weights, always fp32: a lossy codec would round the master
 //      weights themselves. Its epilogue writes the bf16 copy of the gathered chunks.
-// The sharded result equals step's up to fp32 rounding: a tensor cut by a chunk boundary has its
-// norms added from two fp32 partial sums instead of one fp64 sum.
+// The sharded result equals step's up to rounding: a tensor cut by a chunk boundary has its norms
+// added from two fp64 partial sums instead of one.
 #pragma once
 
 #include <algorithm>
@@ -310,20 +311,33 @@ void step_sharded_impl(group<Tr>& g, const T& topo, C& codec, const plan<O>& p, 
       check_range(first, count);
       sw.block_sums(own, first, first + count, true);
     });
-    // (tensor, {w², g², d²}): this rank's part of every tensor's sums, then everyone's.
-    std::vector<float> partial(3 * ps.tensor_count(), 0.0f);
+    // (tensor, {w², g², d²}): this rank's part of every tensor's sums in fp64, gathered as bit
+    // patterns (two floats a double; fp32's all-gather copies bytes) and added in rank order, so
+    // every rank has the same sums with fp64's range: cast to fp32 for an all-reduce, a weight of
+    // 1e20 made ‖w‖ Inf and a gradient of 1e-23 made ‖g‖ 0.
+    const std::size_t per_rank = 3 * ps.tensor_count();
+    std::vector<double> partial(per_rank, 0.0);
     for (std::size_t t : own) {
       if (!sw.needs_sums(t)) continue;
       const tensor_sums s = sw.tensor_total(t, lo, hi);
-      partial[3 * t] = static_cast<float>(s.w2);
-      partial[3 * t + 1] = static_cast<float>(s.g2);
-      partial[3 * t + 2] = static_cast<float>(s.d2);
+      partial[3 * t] = s.w2;
+      partial[3 * t + 1] = s.g2;
+      partial[3 * t + 2] = s.d2;
     }
+    std::vector<double> everyone(per_rank * static_cast<std::size_t>(g.size()));
     codec::fp32 exact;
-    all_reduce(g, std::span<float>(partial), topo, exact, reduce_op::sum);
-    for (std::size_t t : own)
-      sw.set_coeffs(t, sw.needs_sums(t) ? tensor_sums{partial[3 * t], partial[3 * t + 1], partial[3 * t + 2]}
-                                        : tensor_sums{});
+    all_gather(g, std::span<const float>(reinterpret_cast<const float*>(partial.data()), 2 * per_rank),
+               std::span<float>(reinterpret_cast<float*>(everyone.data()), 2 * everyone.size()), topo, exact);
+    for (std::size_t t : own) {
+      tensor_sums sum;
+      if (sw.needs_sums(t))
+        for (std::size_t r = 0; r < static_cast<std::size_t>(g.size()); ++r) {
+          sum.w2 += everyone[r * per_rank + 3 * t];
+          sum.g2 += everyone[r * per_rank + 3 * t + 1];
+          sum.d2 += everyone[r * per_rank + 3 * t + 2];
+        }
+      sw.set_coeffs(t, sum);
+    }
     sw.apply(own, lo, hi);
   }
   if (reported != hi - lo)

@@ -33,6 +33,11 @@
 //                                          with nothing sent, where the whole message cannot be
 //                                          taken now (never waits). The executor's add-and-forward
 //                                          (mpi: the shared rings; docs/design.md)
+//   T::sends_wait_for_receives             true: a send moves nothing before the peer's receive
+//                                          is posted (the executor posts receives first)
+//   T::waits_end_the_transport             true: a wait that times out leaves the endpoint
+//                                          unusable (Gloo closes its pairs), so the executor never
+//                                          waits in short looks, only up to the call's deadline
 // Messages between one pair of ranks with one tag are matched in the order they were sent.
 // Destroying a send request that has not completed (its collective failed) must leave the peer no
 // way to read the data afterwards: the transport withdraws the message, waits briefly for a peer

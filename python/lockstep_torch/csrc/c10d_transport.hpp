@@ -155,6 +155,8 @@ class c10d_transport {
   // connection that also carries our data to that peer: the executor posts a step's receives
   // before its sends (collective/executor.hpp), or a torus's two-way steps ran one way at a time.
   static constexpr bool sends_wait_for_receives = true;
+  // A timed-out wait closes Gloo's pairs (above): the executor must not look in short slices.
+  static constexpr bool waits_end_the_transport = true;
 
   // One posted send or receive; move-only. Its bytes (and trailer) live in a buffer from the
   // endpoint's pool. Destroying an unfinished request hands its work and buffer to the graveyard,
