@@ -420,3 +420,39 @@ TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a na
     CHECK_NOTHROW(load_checkpoint(path, o));
   }
 }
+
+TEST_CASE("IDX images of another size than the model reads are refused, naming the file", "[fashion][data]") {
+  // The model reads 28x28 pixels an image: 27x27 images were read past their end (a crash), and
+  // 56x56 ones trained on their first quarter without a word.
+  const std::string dir = data_dir().dir + "/side27";
+  fs::create_directories(dir);
+  auto be32 = [](std::ofstream& f, std::uint32_t v) {
+    const char b[4] = {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8), static_cast<char>(v)};
+    f.write(b, 4);
+  };
+  for (const char* prefix : {"train", "t10k"}) {
+    const std::uint32_t n = 64, side = 27;
+    std::ofstream img(dir + "/" + prefix + "-images-idx3-ubyte.gz", std::ios::binary);  // gzread reads plain files too
+    be32(img, 0x803), be32(img, n), be32(img, side), be32(img, side);
+    img << std::string(n * side * side, '\x10');
+    std::ofstream lbl(dir + "/" + prefix + "-labels-idx1-ubyte.gz", std::ios::binary);
+    be32(lbl, 0x801), be32(lbl, n);
+    lbl << std::string(n, '\x03');
+  }
+  options o = small_run("side27");
+  o.data = dir;
+  CHECK_THROWS_WITH(load_data(o), Catch::Contains(dir + "/train-images-idx3-ubyte.gz: images are 27x27; the model reads 28x28"));
+}
+
+TEST_CASE("a checkpoint's progress must be whole epochs of this run", "[fashion][train]") {
+  // The previous format has no CRC: its counters are checked against the flags it matched.
+  checkpoint c;
+  c.epochs_done = 2, c.global_step = 16;
+  CHECK_NOTHROW(sample::check_progress("ck", c, 3, 8));
+  c.epochs_done = -1, c.global_step = -8;
+  CHECK_THROWS_WITH(sample::check_progress("ck", c, 3, 8), Catch::Contains("ck: says -1 epochs are done, outside 0..3"));
+  c.epochs_done = 100, c.global_step = 800;
+  CHECK_THROWS_WITH(sample::check_progress("ck", c, 3, 8), Catch::Contains("outside 0..3"));
+  c.epochs_done = 1, c.global_step = 2147483656LL;
+  CHECK_THROWS_WITH(sample::check_progress("ck", c, 3, 8), Catch::Contains("says step 2147483656 after 1 epochs of 8 steps"));
+}

@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -239,5 +240,17 @@ TEST_CASE("evaluating a checkpoint reproduces its last validation; the crop shar
   no_ckpt.crop_pct = 1.0;
   no_ckpt.out = (dir / "nothing").string();
   CHECK_THROWS_WITH(train_inproc(no_ckpt), Catch::Contains("checkpoint.bin"));
+
+  // Without val/: --evaluate is an error naming it (it was a null pipeline: a crash), and training
+  // goes on without validation.
+  fs::remove_all(dir / "data" / "val");
+  options no_val = e;
+  no_val.crop_pct = 1.0;
+  CHECK_THROWS_WITH(train_inproc(no_val), Catch::Contains(o.data + "/val: missing; --evaluate"));
+  no_val.evaluate = false;
+  no_val.out = (dir / "out-no-val").string();
+  const run_result unvalidated = train_inproc(no_val);
+  REQUIRE(unvalidated.epochs.size() == 1);
+  CHECK(std::isnan(unvalidated.epochs[0].top1));
   fs::remove_all(dir);
 }

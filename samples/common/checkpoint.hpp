@@ -99,6 +99,19 @@ struct checkpoint {
   std::vector<float> params, running, momentum, residuals;
 };
 
+// Where a checkpoint says training stands, against this run's flags (which its fingerprint
+// matched, so the steps per epoch are this run's): epochs done within 0..epochs, and the step count
+// exactly that many epochs. The previous format has no CRC, so its counters are checked here.
+inline void check_progress(const std::string& path, const checkpoint& c, int epochs, long long steps_per_epoch) {
+  if (c.epochs_done < 0 || c.epochs_done > epochs)
+    throw std::runtime_error(path + ": says " + std::to_string(c.epochs_done) + " epochs are done, outside 0.." +
+                             std::to_string(epochs) + " (--epochs): damaged");
+  if (c.global_step != static_cast<long long>(c.epochs_done) * steps_per_epoch)
+    throw std::runtime_error(path + ": says step " + std::to_string(c.global_step) + " after " +
+                             std::to_string(c.epochs_done) + " epochs of " + std::to_string(steps_per_epoch) +
+                             " steps: damaged, or written for other data");
+}
+
 // A trainer's file format: its magics and where its header keeps the residuals' size.
 struct checkpoint_format {
   const char* magic;           // 8 bytes: this version (with the CRC)

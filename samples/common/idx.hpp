@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdint>
+#include <limits>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
@@ -137,6 +138,10 @@ inline image_set load_idx_pair(const std::string& dir, const std::string& prefix
     throw data_error(lbl_path + ": count mismatch: " + std::to_string(lbl.dims[0]) + " labels for " +
                      std::to_string(img.dims[0]) + " images in " + img_path);
   if (img.dims[0] == 0) throw data_error(img_path + ": holds no images");
+  for (const std::uint32_t d : img.dims)  // counts and sides are ints from here on
+    if (d > static_cast<std::uint32_t>(std::numeric_limits<int>::max()))
+      throw data_error(img_path + ": header claims a dimension of " + std::to_string(d) + ", over " +
+                       std::to_string(std::numeric_limits<int>::max()));
   for (std::size_t i = 0; i < lbl.data.size(); ++i)
     if (lbl.data[i] >= classes)
       throw data_error(lbl_path + ": label " + std::to_string(lbl.data[i]) + " of item " + std::to_string(i) +

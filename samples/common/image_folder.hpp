@@ -471,9 +471,12 @@ class image_pipeline {
         decode_file(i, attempt == 0 ? key : key_of(key, attempt), dec, buf, out);
         *label = listing_.files[i].label;
         return;
-      } catch (const data_error&) {
+      } catch (const data_error& e) {
         if (!o_.skip_bad) throw;
-        if (!bad_[i].exchange(true)) ++skipped_;
+        if (!bad_[i].exchange(true)) {
+          ++skipped_;
+          std::fprintf(stderr, "skipped (--skip-bad-images): %s\n", e.what());  // once a file, naming it
+        }
       }
     }
     throw data_error(o_.dir + (o_.train ? "/train" : "/val") + ": every file is bad (" + std::to_string(skipped()) + " skipped)");

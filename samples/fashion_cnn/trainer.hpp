@@ -39,6 +39,7 @@
 #include <lockstep/optim/update.hpp>
 
 #include "../common/checkpoint.hpp"
+#include "../common/idx.hpp"
 #include "../common/loop.hpp"
 #include "../common/metrics.hpp"
 #include "../common/pipeline.hpp"
@@ -223,6 +224,7 @@ void train_replica(Group& world, const options& o, const shared_data& data, Repl
   long long step = 0;
   if (o.resume) {
     const checkpoint c = load_checkpoint(ckpt_path, o, leader ? stderr : nullptr);
+    sample::check_progress(ckpt_path, c, o.epochs, steps_per_epoch);
     rep.restore(c, rank, R, ckpt_path);
     first_epoch = c.epochs_done;
     step = c.global_step;
@@ -338,6 +340,13 @@ inline void validate(const options& o) {
 // Loads the data set once for this process, keeping the first N images where the flags say so.
 inline shared_data load_data(const options& o) {
   shared_data d{sample::load_idx_pair(o.data, "train"), sample::load_idx_pair(o.data, "t10k")};
+  // The model reads side x side pixels an image: other shapes would be read past their end.
+  const int side = config{}.side;
+  for (const auto& [s, prefix] : {std::pair{&d.train, "train"}, std::pair{&d.test, "t10k"}})
+    if (s->rows != side || s->cols != side)
+      throw sample::data_error(o.data + "/" + prefix + "-images-idx3-ubyte.gz: images are " + std::to_string(s->rows) +
+                               "x" + std::to_string(s->cols) + "; the model reads " + std::to_string(side) + "x" +
+                               std::to_string(side) + " (Fashion-MNIST)");
   auto limit = [](sample::image_set& s, int n) {
     if (n <= 0 || n >= s.n) return;
     s.n = n;

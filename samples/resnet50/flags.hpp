@@ -24,7 +24,7 @@ inline void usage(const char* program, const options& d) {
       "  --size S              input resolution, S x S (default %d)\n"
       "  --cache               keep the compressed files in memory after the first epoch\n"
       "  --decode-threads N    JPEG decode threads per replica (default %d)\n"
-      "  --skip-bad-images     count and skip corrupt files instead of stopping with their name\n"
+      "  --skip-bad-images     skip corrupt files (each named once on stderr) instead of stopping\n"
       "  --crop-scale MIN      training crops cover MIN..1 of the image's area (RandomResizedCrop's scale;\n"
       "                        default %g; small images and short runs want a larger MIN)\n"
       "  --crop-pct F          validation's centre crop keeps F of the shorter side (default %g, torchvision's\n"

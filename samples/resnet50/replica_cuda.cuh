@@ -97,6 +97,7 @@ void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, run
   std::unique_ptr<sample::image_pipeline> val;
   if (!o.synthetic && std::filesystem::exists(o.data + "/val"))
     val = std::make_unique<sample::image_pipeline>(pipeline_options(o, false, rank, R));
+  else if (!o.synthetic) no_val_folder(o.data, o.evaluate, rank == 0 && !o.quiet);
   const int classes = o.synthetic ? o.classes : train.classes();
   if (rank == 0 && !o.quiet)
     std::printf("%s: %d classes, %zu training images, %zu steps per epoch\n",

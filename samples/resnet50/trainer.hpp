@@ -222,6 +222,13 @@ inline sample::image_pipeline_options pipeline_options(const options& o, bool tr
   return p;
 }
 
+// DATA has train/ but no val/: --evaluate has nothing to read; training goes on without
+// validation, said once, so that a misnamed folder (valid/) is not read as "nan%" epochs.
+inline void no_val_folder(const std::string& data, bool evaluate, bool say) {
+  if (evaluate) throw sample::data_error(data + "/val: missing; --evaluate validates the checkpoint on it");
+  if (say) std::printf("%s/val: missing, so no validation (its columns read nan)\n", data.c_str());
+}
+
 template <class Group, class Replica>
 void train_replica(Group& world, const options& o, sample::image_pipeline& train, sample::image_pipeline* val,
                    Replica& rep, run_result& result) {
@@ -241,6 +248,7 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
   long long step = 0;
   if (o.resume || o.evaluate) {
     const checkpoint c = load_checkpoint(ckpt_path, o, classes, leader ? stderr : nullptr);
+    sample::check_progress(ckpt_path, c, o.epochs, steps_per_epoch);
     rep.restore(c, rank, R, ckpt_path);
     first_epoch = c.epochs_done;
     step = c.global_step;
