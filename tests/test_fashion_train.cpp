@@ -337,7 +337,9 @@ TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a na
                              good.size() - 1}) {
       INFO("kept " << keep << " of " << good.size() << " bytes");
       write(std::vector<char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(keep)));
-      const std::string r = refused(keep < 64 ? "not a lockstep checkpoint" : "truncated or not a checkpoint of this program");
+      const std::string r = refused(keep == 0  ? "an empty file (0 bytes), not a lockstep checkpoint"
+                                    : keep < 64 ? std::to_string(keep) + " bytes, shorter than the 64-byte header"
+                                                : "truncated or not a checkpoint of this program");
       CHECK(r == "ok");
     }
   }
@@ -405,6 +407,17 @@ TEST_CASE("a truncated, corrupted or foreign checkpoint, or other flags, is a na
     std::memcpy(old.data(), "LSCKPT01", 8);
     write(old);
     CHECK(refused("format 01") == "ok");
+  }
+  SECTION("a newer version of the format, a directory, a missing file: each says which") {
+    auto newer = good;
+    std::memcpy(newer.data(), "LSCKPT04", 8);
+    write(newer);
+    CHECK(refused("a lockstep checkpoint of version \"LSCKPT04\", which this build (\"LSCKPT03\") cannot read") == "ok");
+    std::filesystem::remove(path);
+    CHECK(refused("no checkpoint to resume from (No such file or directory)") == "ok");
+    std::filesystem::create_directory(path);
+    CHECK(refused("a directory, not a checkpoint file") == "ok");
+    std::filesystem::remove(path);
   }
   SECTION("other flags: channels, seed, batch") {
     write(good);

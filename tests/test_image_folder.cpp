@@ -535,6 +535,36 @@ TEST_CASE("the folder is listed as torchvision's ImageFolder lists it", "[pipeli
   CHECK(p.steps_per_epoch() == 6);
 }
 
+// Links: a link to a folder elsewhere is followed; a link back to a folder it is inside of (a
+// loop) is not (it listed the class's files again at every turn until ELOOP); a .jpg link to
+// nothing is listed, and reading it is the error naming it.
+TEST_CASE("folder links are followed once, loops are not; a .jpg link to nothing is listed", "[pipeline][bad]") {
+  namespace fs = std::filesystem;
+  coded_folder f("links", 2, 2);
+  const std::string train = f.dir.path + "/train";
+  const std::size_t plain = sample::list_image_folder(train).files.size();
+  REQUIRE(plain == 4);
+  fs::create_directory_symlink("..", train + "/class_a/nested/up");            // class_a/nested/up -> class_a
+  fs::create_directory_symlink(train + "/class_a", train + "/class_a/self");   // class_a/self -> class_a
+  fs::create_directory_symlink(train + "/class_b", train + "/class_a/other");  // another class's folder: followed
+  fs::create_symlink(train + "/gone.jpg", train + "/class_b/dangling.jpg");
+  const sample::image_listing l = sample::list_image_folder(train);
+  std::vector<std::string> got;
+  for (const auto& file : l.files) got.push_back(file.path.substr(train.size() + 1));
+  std::string listed;
+  for (const auto& g : got) listed += g + " ";
+  INFO(listed);
+  // class_a: its 2 files, and class_b's 2 and its dangling link through other/; class_b: its 2
+  // files and the dangling link.
+  CHECK(l.files.size() == 2 + 3 + 3);
+  CHECK(std::count_if(got.begin(), got.end(), [](const std::string& s) { return s.find("/up/") != std::string::npos || s.find("/self/") != std::string::npos; }) == 0);
+  CHECK(std::count(got.begin(), got.end(), "class_b/dangling.jpg") == 1);
+  CHECK(std::count(got.begin(), got.end(), "class_a/other/dangling.jpg") == 1);
+  std::vector<std::uint8_t> bytes;
+  CHECK_THROWS_WITH(sample::read_file(train + "/class_b/dangling.jpg", bytes),
+                    Catch::StartsWith(train + "/class_b/dangling.jpg: cannot open (No such file or directory)"));
+}
+
 TEST_CASE("each replica reads its shard; the shards cover every file once per epoch; a global step does not depend on the replica count", "[pipeline]") {
   coded_folder f("shard", 4, 6);  // 24 files
   sample::image_pipeline_options base;

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -169,10 +170,14 @@ inline void write_checkpoint(const std::string& path, const checkpoint_format& f
 // does not match (a flipped bit anywhere else). The header's model words, seed and fingerprint are
 // the trainer's to check.
 inline checkpoint_file read_checkpoint(const std::string& path, const checkpoint_format& fmt, std::FILE* log = nullptr) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw std::runtime_error(path + ": a directory, not a checkpoint file");
   std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": no checkpoint to resume from");
+  if (!f) throw std::runtime_error(path + ": no checkpoint to resume from (" + std::strerror(errno) + ")");
+  const auto file_bytes = std::filesystem::file_size(path, ec);
+  if (!ec && file_bytes == 0) throw std::runtime_error(path + ": an empty file (0 bytes), not " + std::string(fmt.what));
   checkpoint_file r;
-  char magic[8];
+  char magic[8] = {};
   std::uint64_t ids[2];
   f.read(magic, 8);
   read_pod(f, std::span<std::uint32_t>(r.head));
@@ -180,7 +185,21 @@ inline checkpoint_file read_checkpoint(const std::string& path, const checkpoint
   if (f && fmt.refused && std::memcmp(magic, fmt.refused, 8) == 0) throw std::runtime_error(path + ": " + fmt.refused_why);
   const bool current = f && std::memcmp(magic, fmt.magic, 8) == 0;
   const bool previous = f && !current && fmt.previous && std::memcmp(magic, fmt.previous, 8) == 0;
-  if (!current && !previous) throw std::runtime_error(path + ": not " + fmt.what);
+  if (!current && !previous) {
+    // Say why: too short to hold a header, a version of this format this build does not know
+    // (same four-letter family: written by a newer build), or something else entirely.
+    if (!ec && file_bytes < checkpoint_header_bytes)
+      throw std::runtime_error(path + ": " + std::to_string(file_bytes) + " bytes, shorter than the " +
+                               std::to_string(checkpoint_header_bytes) + "-byte header of " + fmt.what + " (truncated?)");
+    if (std::memcmp(magic, fmt.magic, 4) == 0) {
+      std::string seen(magic, 8);
+      for (char& c : seen)
+        if (c < 0x20 || c > 0x7e) c = '?';
+      throw std::runtime_error(path + ": " + fmt.what + " of version \"" + seen + "\", which this build (\"" +
+                               fmt.magic + "\") cannot read: written by a newer lockstep?");
+    }
+    throw std::runtime_error(path + ": not " + fmt.what);
+  }
   r.seed = ids[0];
   r.fingerprint = ids[1];
 

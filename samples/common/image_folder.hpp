@@ -175,10 +175,32 @@ inline image_listing list_image_folder(const std::string& split_dir, std::vector
     std::error_code ec;
     if (!fs::is_directory(cdir, ec)) continue;  // a class of train/ that val/ lacks: no files of it
     std::vector<std::pair<std::string, std::string>> found;  // (folder, name)
+    // Links to folders are followed (a class assembled from links is common), but not a link back
+    // to a folder it is inside of: that loop would list the same files again at every turn until
+    // the path grew too long. `inside[d]` is the real path of the folder whose entries are at depth
+    // d. A .jpg link to nothing is listed, so that reading it fails naming it (or --skip-bad-images
+    // skips it, saying so), as torchvision's ImageFolder does.
+    std::vector<fs::path> inside{fs::canonical(cdir, ec)};
     for (auto it = fs::recursive_directory_iterator(cdir, fs::directory_options::follow_directory_symlink, ec);
-         !ec && it != fs::recursive_directory_iterator(); it.increment(ec))
-      if (it->is_regular_file(ec) && has_jpeg_extension(it->path()))
+         !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      std::error_code e2;
+      if (it->is_directory(e2)) {
+        fs::path real = fs::canonical(it->path(), ec);
+        if (ec) break;
+        inside.resize(static_cast<std::size_t>(it.depth()) + 1);
+        if (std::find(inside.begin(), inside.end(), real) != inside.end()) {
+          it.disable_recursion_pending();
+          std::fprintf(stderr, "note: %s: a link to a folder it is inside of (%s), not followed\n", it->path().c_str(), real.c_str());
+        } else {
+          inside.push_back(std::move(real));
+        }
+        continue;
+      }
+      if (!has_jpeg_extension(it->path())) continue;
+      const bool dangling = it->is_symlink(e2) && !fs::exists(it->path(), e2);
+      if (it->is_regular_file(e2) || dangling)
         found.emplace_back(it->path().parent_path().string(), it->path().filename().string());
+    }
     if (ec) throw data_error(cdir + ": cannot list (" + ec.message() + ")");
     if (found.empty() && std::binary_search(present.begin(), present.end(), classes[k]))
       throw data_error(cdir + ": no .jpg or .jpeg files (torchvision's ImageFolder refuses an empty class too)");
