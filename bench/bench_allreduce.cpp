@@ -19,8 +19,8 @@
 #include <lockstep/lockstep.hpp>
 #if LOCKSTEP_HAVE_MPI
 #include <lockstep/transport/mpi.hpp>
-#include "cli.hpp"
 #endif
+#include "cli.hpp"  // split_list, with or without MPI
 
 #include <unistd.h>
 
@@ -288,10 +288,11 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
   if (std::find(o.topologies.begin(), o.topologies.end(), "automatic") != o.topologies.end()) {
     autom = calibrate_automatic(g);
     if (g.rank() == 0 && !o.json) {
-      // The calibration, as the command that shows the comparisons automatic makes with it.
+      // The calibration, as the command that shows the comparisons automatic makes with it (every
+      // figure to the last bit: a rounded one could flip a choice near a crossover).
       std::printf("# automatic: calibrated alpha %.2f us, bandwidth %.3f GB/s, eta %.3f, overhead %.2f us; its choices: "
-                  "lockstep-sim --explain --ranks %d --latency-us %.3f --gbit %.4f --exchange-efficiency %.4f "
-                  "--overhead-us %.3f --segment-bytes %zu --segment-choices ",
+                  "lockstep-sim --explain --ranks %d --latency-us %.17g --gbit %.17g --exchange-efficiency %.17g "
+                  "--overhead-us %.17g --segment-bytes %zu --segment-choices ",
                   autom->link.latency_s * 1e6, autom->link.bandwidth_Bps / 1e9, autom->link.exchange_efficiency,
                   autom->link.overhead_s * 1e6, g.size(), autom->link.latency_s * 1e6,
                   autom->link.bandwidth_Bps * 8 / 1e9, autom->link.exchange_efficiency, autom->link.overhead_s * 1e6,
@@ -302,16 +303,16 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
       for (std::size_t i = 0; i < autom->direct_sizes.size(); ++i)
         std::printf("%s%zu", i ? "," : " --direct-sizes ", autom->direct_sizes[i]);
       for (const auto& [name, r] : autom->rates)
-        std::printf(" --gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
+        std::printf(" --gamma-ns %s:%.17g,%.17g,%.17g", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
       if (autom->cache_bytes) {
-        std::printf(" --cache-bytes %zu --cache-latency-us %.3f --cache-gbit %.4f", autom->cache_bytes,
+        std::printf(" --cache-bytes %zu --cache-latency-us %.17g --cache-gbit %.17g", autom->cache_bytes,
                     autom->cache_link.latency_s * 1e6, autom->cache_link.bandwidth_Bps * 8 / 1e9);
         for (const auto& [name, r] : autom->cache_rates)
-          std::printf(" --cache-gamma-ns %s:%.4f,%.4f,%.4f", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9,
+          std::printf(" --cache-gamma-ns %s:%.17g,%.17g,%.17g", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9,
                       r.decode_add_s * 1e9);
       }
       if (autom->bulk_bytes)
-        std::printf(" --bulk-bytes %zu --bulk-exchange-efficiency %.4f", autom->bulk_bytes, autom->bulk_exchange_efficiency);
+        std::printf(" --bulk-bytes %zu --bulk-exchange-efficiency %.17g", autom->bulk_bytes, autom->bulk_exchange_efficiency);
       std::printf(" --codec ... --bytes ...\n");
     }
   }

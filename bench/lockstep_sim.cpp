@@ -383,7 +383,23 @@ int run_speedup(const options& o) {
 
 // topology::automatic's comparison, as a call would make it.
 int run_explain(const options& o) {
-  auto models = codec_models(o, o.codecs);
+  // automatic compares one rank per host, a non-blocking switch and the executor's own window and
+  // handshake: options that change those would describe another comparison than a call makes.
+  const sim::cluster plain;
+  if (o.cl.ranks_per_host != plain.ranks_per_host || o.cl.switch_bandwidth_Bps != plain.switch_bandwidth_Bps ||
+      o.cl.handshake != plain.handshake || o.cl.send_ahead != plain.send_ahead || o.cl.segments_ahead != options{}.cl.segments_ahead)
+    throw std::invalid_argument(
+        "--explain compares what topology::automatic compares (one rank per host, a non-blocking switch, the "
+        "executor's send window and headers): --ranks-per-host, --switch-gbit, --no-handshake, --send-ahead and "
+        "--ahead are for predictions, not --explain");
+  // A codec under error feedback is chosen for as its inner codec (automatic.hpp): ranks with and
+  // without it must agree.
+  std::vector<std::string> inner_names;
+  for (const auto& cn : o.codecs) {
+    const std::string inner = cn.size() > 3 && cn.ends_with("+ef") ? cn.substr(0, cn.size() - 3) : cn;
+    if (std::find(inner_names.begin(), inner_names.end(), inner) == inner_names.end()) inner_names.push_back(inner);
+  }
+  auto models = codec_models(o, inner_names);
   for (auto& [name, c] : models)
     if (o.gamma.count(name)) c.rates = o.gamma.at(name);
   if (o.measure_gamma) print_gamma(o, models);
@@ -409,12 +425,20 @@ int run_explain(const options& o) {
     if (a.bulk_bytes)
       std::printf("# from %zu bytes per rank: eta %.2f (the bulk tier)\n", a.bulk_bytes, a.bulk_exchange_efficiency);
   }
-  for (const auto& cn : o.codecs)
+  // LOCKSTEP_TOPOLOGY forces what every call runs (at the group's segment): marked as the choice.
+  const auto forced = topology::automatic::forced_by_environment();
+  if (forced && !o.json)
+    std::printf("# LOCKSTEP_TOPOLOGY=%s: every call runs it at the group's segment, whatever the predictions\n",
+                topology::choice::name_of(*forced));
+  for (const auto& cn : inner_names)
     for (int size : o.ranks)
       for (double bytes : o.bytes) {
         const std::size_t n = static_cast<std::size_t>(bytes) / sizeof(float);
         const auto all = a.explain(topology::operation::all_reduce, size, n, models.at(cn), o.cl.segment_bytes);
-        const std::size_t best = topology::automatic::pick(all, a.segment_margin);
+        std::size_t best = topology::automatic::pick(all, a.segment_margin);
+        if (forced)
+          for (std::size_t i = 0; i < all.size(); ++i)
+            if (all[i].kind == *forced && all[i].segment_bytes == 0) best = i;
         if (!o.json) std::printf("%-9s %5d ranks %12.0f bytes:\n", cn.c_str(), size, bytes);
         for (std::size_t i = 0; i < all.size(); ++i) {
           const auto& c = all[i];

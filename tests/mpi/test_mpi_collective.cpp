@@ -411,6 +411,33 @@ TEST_CASE("mismatched counts and codecs over mpi are errors naming the peer, in 
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// A LOCKSTEP_TOPOLOGY that names no topology on one rank only: that rank's call fails choosing,
+// before any header, and aborts the group, so the others fail at once naming it instead of
+// waiting out their (here 60 s) timeout for its headers.
+TEST_CASE("a bad LOCKSTEP_TOPOLOGY on one rank fails every rank at once over mpi", "[mpi][collective][errors]") {
+  int n = 1, me = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (n == 1) return;
+  mpi_group g = world_group(60s);
+  std::vector<float> v(4096, 1.0f);
+  codec::fp32 c;
+  topology::automatic a;
+  if (me == 1) setenv("LOCKSTEP_TOPOLOGY", "Ring", 1);
+  const auto t0 = transport::clock::now();
+  const error e = caught([&] { all_reduce(g, std::span<float>(v), a, c); });
+  if (me == 1) unsetenv("LOCKSTEP_TOPOLOGY");
+  CHECK(transport::clock::now() - t0 < 10s);
+  if (me == 1) {
+    CHECK(e.code() == errc::invalid_argument);
+  } else {
+    CHECK(e.code() == errc::aborted);
+    CHECK(e.peer() == 1);
+  }
+  CHECK_THAT(e.what(), Catch::Contains("LOCKSTEP_TOPOLOGY=Ring"));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST_CASE("a rank that never calls makes the others time out over mpi, naming it", "[mpi][collective][errors]") {
   int n = 1, me = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &n);

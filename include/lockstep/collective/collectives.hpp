@@ -31,16 +31,6 @@ namespace lockstep {
 
 namespace detail {
 
-template <topology::topology T>
-std::uint32_t topology_fingerprint(const T& topo, int size) {
-  std::string s = topo.name();
-  if constexpr (requires { topo.shape(size); }) {
-    auto [r, c] = topo.shape(size);
-    s += ":" + std::to_string(r) + "x" + std::to_string(c);
-  }
-  return codec::fingerprint(s, 0);
-}
-
 template <class T, class C>
 std::string label(op_kind kind, const T& topo, const C& codec, std::string_view topo_prefix = {}) {
   std::string s(to_string(kind));
@@ -114,7 +104,16 @@ auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, red
       failed = std::current_exception();
     }
     return [&g, kind, buf, pick, failed, &codec, rop, root, ep, layout = std::move(layout), residual_key]() mutable {
-      if (failed) std::rethrow_exception(failed);
+      if (failed) {
+        // The peers, which chose, would wait out their timeout for this rank's headers: they are
+        // told (a LOCKSTEP_TOPOLOGY that names no topology on this rank only, say).
+        try {
+          std::rethrow_exception(failed);
+        } catch (const std::exception& e) {
+          g.abort(e.what());
+          throw;
+        }
+      }
       T::visit(pick.kind, [&](const auto& concrete) {
         run_call(kind, g, buf, concrete, codec, rop, root, ep, std::move(layout), pick.segment_bytes, "automatic: ",
                  residual_key);

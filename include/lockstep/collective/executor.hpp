@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <span>
@@ -48,6 +49,11 @@
 #include "../core/error.hpp"
 #include "../core/space.hpp"
 #include "../topology/concept.hpp"
+#include "../topology/direct.hpp"
+#include "../topology/halving_doubling.hpp"
+#include "../topology/recursive_doubling.hpp"
+#include "../topology/ring.hpp"
+#include "../topology/torus2d.hpp"
 #include "../transport/concept.hpp"
 #include "group.hpp"
 #include "pipeline.hpp"
@@ -150,7 +156,36 @@ struct op_desc {
   const void* residual_key = nullptr;
 };
 
-inline std::string describe_mismatch(const wire_header& mine, const wire_header& theirs) {
+// What a header carries for the topology: a fingerprint of its name and, where it has one, its
+// shape for this group size (torus2d's rows x cols).
+template <topology::topology T>
+std::uint32_t topology_fingerprint(const T& topo, int size) {
+  std::string s = topo.name();
+  if constexpr (requires { topo.shape(size); }) {
+    auto [r, c] = topo.shape(size);
+    s += ":" + std::to_string(r) + "x" + std::to_string(c);
+  }
+  return codec::fingerprint(s, 0);
+}
+
+// The library's topology whose fingerprint `id` is at this group size ("torus2d 2x4"), or the
+// fingerprint in hex where none is (a topology of the user's).
+inline std::string topology_named_by(std::uint32_t id, int size) {
+  if (size >= 1) {
+    if (id == topology_fingerprint(topology::ring{}, size)) return "ring";
+    if (id == topology_fingerprint(topology::halving_doubling{}, size)) return "halving_doubling";
+    if (id == topology_fingerprint(topology::recursive_doubling{}, size)) return "recursive_doubling";
+    if (id == topology_fingerprint(topology::direct{}, size)) return "direct";
+    for (int r = 1; r <= size; ++r)
+      if (size % r == 0 && id == topology_fingerprint(topology::torus2d{r, size / r}, size))
+        return "torus2d " + std::to_string(r) + "x" + std::to_string(size / r);
+  }
+  char hex[16];
+  std::snprintf(hex, sizeof hex, "%08x", static_cast<unsigned>(id));
+  return std::string("a topology of fingerprint ") + hex;
+}
+
+inline std::string describe_mismatch(const wire_header& mine, const wire_header& theirs, int size = 0) {
   auto field = [](const char* what, auto a, auto b) {
     return std::string(what) + " " + std::to_string(a) + " here, " + std::to_string(b) + " on the peer";
   };
@@ -168,10 +203,14 @@ inline std::string describe_mismatch(const wire_header& mine, const wire_header&
   }
   if (theirs.count != mine.count) return field("element count", mine.count, theirs.count);
   if (theirs.codec_id != mine.codec_id) return "codecs differ (format or block size)";
-  if (theirs.topology_id != mine.topology_id) return "topologies differ";
+  if (theirs.topology_id != mine.topology_id)
+    return "topologies differ: " + topology_named_by(mine.topology_id, size) + " here, " +
+           topology_named_by(theirs.topology_id, size) + " on the peer";
   if (theirs.rop != mine.rop) return "reduction ops differ (sum vs average)";
   if (theirs.root != mine.root) return field("root", mine.root, theirs.root);
-  if (theirs.segment != mine.segment) return field("segment size", mine.segment, theirs.segment);
+  if (theirs.segment != mine.segment)
+    return field("segment of", mine.segment, theirs.segment) + " (values per message; topology::automatic chose differently, "
+           "or the groups' segment_bytes differ)";
   return {};
 }
 
@@ -418,7 +457,7 @@ class schedule_run {
     seen_.assign(from_.size(), 0);
     auto check = [&](std::size_t i) {
       seen_[i] = 1;
-      std::string why = describe_mismatch(mine_, theirs_[i]);
+      std::string why = describe_mismatch(mine_, theirs_[i], g_.size());
       if (!why.empty() && theirs_[i].layout != mine_.layout && mine_.layout) why += "; this rank's: " + op_.layout.str();
       if (!why.empty()) throw fail(errc::mismatch, from_[i], why);
     };

@@ -21,7 +21,14 @@
 // its header, and the call fails with errc::mismatch naming both.
 //
 // LOCKSTEP_TOPOLOGY=ring|torus2d|halving_doubling|recursive_doubling|direct forces one (with the group's
-// segment size); read on every choice.
+// segment size); read on every choice. A value that names none is an error of the call on that
+// rank, which aborts the group (the peers fail at once, naming it, instead of at their timeout).
+//
+// A codec with error feedback is modelled as its inner codec: whether to keep residuals is each
+// rank's own choice over the same wire format (codec/error_feedback.hpp), so ranks with and
+// without it must choose alike; the residual's extra passes are not charged. On a stream-ordered
+// group (NCCL, inproc_stream) the simulator posts a step's sends at once and exchanges no headers,
+// as the executor does there.
 //
 // Choices are cached per (operation, group size, count, codec, segment of the group, stream
 // order) in a table the copies of one automatic share, so a training loop's buckets pay the
@@ -160,6 +167,9 @@ struct automatic {
   }
 
   std::string name() const { return "automatic"; }
+  // The topology LOCKSTEP_TOPOLOGY forces, if any (throws naming a value that names none): what
+  // every call runs, whatever explain() predicts.
+  static std::optional<choice::kind_t> forced_by_environment(int rank = -1) { return forced(rank); }
   void validate(int size, int rank = -1) const {
     if (size < 1) throw error(errc::invalid_argument, "automatic", rank, -1, "group size " + std::to_string(size));
     forced(rank);
@@ -182,6 +192,12 @@ struct automatic {
   template <codec::codec C>
   std::vector<choice> explain(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
                               bool stream_ordered = false) const {
+    // Error feedback is each rank's own choice over the same wire format (codec/error_feedback.hpp),
+    // which the header does not check: a rank with it and a rank without must choose alike, so
+    // both are modelled as the inner codec (its measured gamma; the residual's extra passes are
+    // not charged).
+    if constexpr (requires { codec.inner(); requires codec::feedback_codec<C>; })
+      return explain(op, size, count, codec.inner(), group_segment, stream_ordered);
     const auto it = rates.find(std::string(codec.name()));
     return explain(op, size, count, sim::model_of(codec, it == rates.end() ? sim::codec_rates{} : it->second),
                    group_segment, stream_ordered);
@@ -205,6 +221,12 @@ struct automatic {
         cl.nic = link_for(count);
         cl.segment_bytes = s;
         cl.segments_ahead = sim::cluster::as_executor;
+        if (stream_ordered) {
+          // As the executor on a stream: a step's sends all posted at once, whatever the codec,
+          // and no headers (executor.hpp: exchanges_headers).
+          cl.send_ahead = true;
+          cl.handshake = false;
+        }
         const double t = visit(k, [&](const auto& topo) { return predict(cl, model, topo, op, size, count); });
         out.push_back({k, s == group_segment ? 0 : s, t});
       }
@@ -240,7 +262,12 @@ struct automatic {
     if (auto f = forced(rank)) return {*f, 0, 0};
     if (size < 1) throw error(errc::invalid_argument, "automatic", rank, -1, "group size " + std::to_string(size));
     if (size == 1) return {choice::ring, 0, 0};
-    const std::string_view name = codec.name();
+    if constexpr (requires { codec.inner(); requires codec::feedback_codec<C>; })  // as explain() above
+      return choose(op, size, count, codec.inner(), group_segment, stream_ordered, rank);
+    // A codec's name may be a std::string made by the call (error_feedback of a codec with a
+    // run-time name): kept alive here, as the view below reads it.
+    const auto name_storage = codec.name();
+    const std::string_view name = name_storage;
     const key k{op, size, count, codec.id(), group_segment, stream_ordered};
     {
       std::lock_guard lk(cache_->m);
