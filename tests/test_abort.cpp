@@ -243,3 +243,72 @@ TEST_CASE("a failure in a group split from a split reaches the first group; late
     if (r == 4) CHECK_THAT(o.what, Catch::Contains("split"));
   }
 }
+
+namespace {
+
+// NCCL's group on the host: ncclGroupStart / End move a per-thread depth, and a call on an aborted
+// communicator throws (lockstep's nccl transport turns its error into an exception) while a group
+// is open. `grouped` is inproc with both: its data sends throw once `fail` is set.
+thread_local int group_depth = 0;
+
+class grouped {
+ public:
+  using request = transport::inproc::request;
+  static constexpr std::size_t segment_bytes = transport::inproc::segment_bytes;
+  static constexpr bool send_completion_means_taken = true;
+
+  grouped(transport::inproc t, bool fail) : t_(std::move(t)), fail_(fail) {}
+  int rank() const { return t_.rank(); }
+  int size() const { return t_.size(); }
+  std::string name() const { return "grouped(" + t_.name() + ")"; }
+  void group_begin() { ++group_depth; }
+  void group_end() { --group_depth; }
+  request isend(int peer, std::uint32_t tag, const void* data, std::size_t bytes) {
+    if (fail_ && !(tag & (1u << 24)))  // data, not the collectives' headers (tag bit 24)
+      throw error(errc::aborted, "send", rank(), peer, "the communicator was aborted");
+    return t_.isend(peer, tag, data, bytes);
+  }
+  request irecv(int peer, std::uint32_t tag, void* data, std::size_t bytes) { return t_.irecv(peer, tag, data, bytes); }
+  bool wait(request& r, transport::clock::time_point deadline) { return t_.wait(r, deadline); }
+  template <class F>
+  bool consume(request& r, transport::clock::time_point deadline, F&& fn) {
+    return t_.consume(r, deadline, std::forward<F>(fn));
+  }
+  void abort(const std::string& reason) { t_.abort(reason); }
+
+ private:
+  transport::inproc t_;
+  bool fail_;
+};
+
+}  // namespace
+
+// A post that throws between group_begin and group_end (an aborted communicator, a residual's
+// allocation that fails) must still close the group: NCCL's depth is per thread, and a group left
+// open swallows every later NCCL call of the thread (it was left open, one level more per call).
+TEST_CASE("a step whose post throws closes the transport's group", "[abort]") {
+  for (int n : {2, 3, 4}) {
+    auto world = transport::inproc::make_world(n);
+    std::vector<int> depth(static_cast<std::size_t>(n), -1);
+    std::vector<std::string> what(static_cast<std::size_t>(n));
+    std::mutex m;
+    transport::detail::run_ranks(n, *world, [&](int r) {
+      group_options o;
+      o.timeout = 10s;
+      group<grouped> g(grouped(transport::inproc(world, r), r == 0), o);
+      std::vector<float> v(4096, 1.0f);
+      codec::int8 c;
+      try {
+        all_reduce(g, std::span<float>(v), topology::ring{}, c);
+      } catch (const error& e) {
+        std::lock_guard lk(m);
+        what[static_cast<std::size_t>(r)] = e.what();
+      }
+      std::lock_guard lk(m);
+      depth[static_cast<std::size_t>(r)] = group_depth;
+    });
+    CAPTURE(n, what[0]);
+    CHECK(what[0].find("the communicator was aborted") != std::string::npos);
+    for (int d : depth) CHECK(d == 0);
+  }
+}

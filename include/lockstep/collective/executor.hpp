@@ -502,7 +502,7 @@ class schedule_run {
     for (auto& r : forwarded_) send_reqs_.push_back(std::move(r));
     forwarded_.clear();
     forward_open_ = false;
-    group_begin();
+    open_group group(*this);
     if (headers_checked_) post_receives(st);
     const std::size_t ahead = pipeline::sends_ahead(identity, sends_.size(), space_type::ordered);
     std::size_t received = 0;
@@ -510,7 +510,7 @@ class schedule_run {
       if (k >= sent_before) send_segment(st, sends_[k]);
       while (received < recvs_.size() && received + ahead <= k) receive(st, si, received++);
     }
-    group_end();
+    group.close();
     // Only now, with every send of this step posted: the next step's messages to the same peer
     // must follow them. They go as a prefix of its sends, in order; the first that does not fit
     // closes the run.
@@ -786,6 +786,28 @@ class schedule_run {
   // k-th send and its receiver's first step.
   std::uint32_t tag() const { return static_cast<std::uint32_t>(seq_ & 0x7fff) << 9; }
 
+  // The transport's group (NCCL's ncclGroupStart / End) around a step's posts. Closed on the way
+  // out too when a post throws (an aborted communicator, a residual's allocation that fails):
+  // NCCL's group depth is per thread, and a group left open swallows every later NCCL call of this
+  // thread, a new communicator's and torch's included, which then never launch.
+  struct open_group {
+    schedule_run& run;
+    bool open = true;
+    explicit open_group(schedule_run& r) : run(r) { run.group_begin(); }
+    void close() {
+      open = false;
+      run.group_end();
+    }
+    ~open_group() {
+      if (!open) return;
+      try {
+        run.group_end();
+      } catch (...) {  // the post's error is the one to report
+      }
+    }
+    open_group(const open_group&) = delete;
+    open_group& operator=(const open_group&) = delete;
+  };
   void group_begin() {
     if constexpr (requires { t_.group_begin(); }) t_.group_begin();
   }

@@ -63,16 +63,19 @@ batch exchange_batch(G& g, const T& topo, const layer_config& cfg, std::size_t m
   codec::fp32 c;
   if constexpr (G::ordered) {
     // The table goes through the group's space (device memory on a GPU) and comes back to the
-    // host: one host synchronisation with the group's stream per layer call.
+    // host: a host synchronisation with the group's stream per layer call. The gather is waited
+    // for first, with the group's deadline: a copy to pageable host memory (`all`) returns only
+    // once it is done, so queued behind a gather that a missing peer never completes it would
+    // block this thread with no timeout.
     auto& sp = g.space();
     auto mem = sp.allocate(all.size() * sizeof(float));
     float* table = reinterpret_cast<float*>(mem.data());  // (rank, field)
     sp.copy(table + static_cast<std::size_t>(g.rank()) * d_fields, own.data(), d_fields * sizeof(float));
     request gathered = all_gather_inplace_async(g, std::span<float>(table, all.size()), topo, c);
-    request back = g.submit([&] { sp.copy(all.data(), table, all.size() * sizeof(float)); }, cfg.label + ": layer descriptors");
     try {
-      back.wait();
       gathered.wait();
+      request back = g.submit([&] { sp.copy(all.data(), table, all.size() * sizeof(float)); }, cfg.label + ": layer descriptors");
+      back.wait();
     } catch (...) {
       sp.drain(g.deadline());  // nothing queued may still write `all` once it is gone
       throw;

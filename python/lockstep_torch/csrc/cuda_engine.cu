@@ -96,15 +96,17 @@ engine::engine(const std::string& id, int rank, int size, int device, double tim
 // NCCL connects a pair of ranks at their first send and receive, and a blocking communicator's
 // ncclGroupEnd waits on the host until the peer has connected too: a peer that never called would
 // stall a later hook on the host, before the watcher could see it. So every pair the topologies
-// use (ring neighbours, torus rows and columns) connects here, while every rank is in this
-// constructor, and later calls only enqueue.
+// use (ring neighbours, the rows and columns of every torus shape a State may name) connects here,
+// while every rank is in this constructor, and later calls only enqueue.
 void engine::warm_up() {
   const std::size_t n = static_cast<std::size_t>(size()) * 64;
   lockstep::device::buffer<float> x(n, p_->s->get());
   lockstep::device::check(cudaMemsetAsync(x.data(), 0, n * sizeof(float), p_->s->get()), "cudaMemsetAsync", rank());
   const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(x.data()), s = reinterpret_cast<std::uintptr_t>(p_->s->get());
   all_reduce(p, n, s, "fp32", "ring", "sum");
-  all_reduce(p, n, s, "fp32", "torus2d", "sum");
+  // torus2d:RxC for every shape of the group (1xN and Nx1 are the ring's pairs).
+  for (int r = 2; r < size(); ++r)
+    if (size() % r == 0) all_reduce(p, n, s, "fp32", "torus2d:" + std::to_string(r) + "x" + std::to_string(size() / r), "sum");
   synchronize();
   lockstep::device::check(cudaStreamSynchronize(p_->s->get()), "cudaStreamSynchronize", rank());
 }
