@@ -76,12 +76,17 @@ def _same_timeout(engine, timeout, rank):
 
 def _engine(process_group, timeout, segment_bytes=0):
     with _lock:
-        channel = _channels.get(process_group, 0)
-        if channel >= _C.max_channels:
-            raise Error(f"lockstep_torch: at most {_C.max_channels} lockstep groups over one process group")
-        engine = _C.Engine(process_group, channel, _seconds(timeout), int(segment_bytes))
-        _channels[process_group] = channel + 1
-        return engine
+        return _engine_locked(process_group, timeout, segment_bytes)
+
+
+def _engine_locked(process_group, timeout, segment_bytes=0):
+    """_engine with _lock held by the caller: the next channel of the group, taken once."""
+    channel = _channels.get(process_group, 0)
+    if channel >= _C.max_channels:
+        raise Error(f"lockstep_torch: at most {_C.max_channels} lockstep groups over one process group")
+    engine = _C.Engine(process_group, channel, _seconds(timeout), int(segment_bytes))
+    _channels[process_group] = channel + 1
+    return engine
 
 
 def _backend(process_group):
@@ -228,20 +233,32 @@ def allreduce_hook(state, bucket):
     NCCL's are (what reads the bucket after it on that stream sees the reduced values)."""
     tensor = bucket.buffer()
     if state.device.type == "cuda":
+        # Complete at once (done(None) before reduce_bucket returns); errors raise here.
         fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
-    else:
-        fut = torch.futures.Future()
+        state.reduce_bucket(tensor, bucket.index(), lambda message: fut.set_result(tensor))
+        if bucket.is_last():
+            state.iteration += 1
+        return fut
+    # A CPU bucket completes on the worker. A failure must reach DDP as an exception: torch 1.13's
+    # Future.set_exception stores it as the value, which DDP's reducer then tries to cast to a
+    # Tensor ("Unable to cast ... to Tensor"). So the worker's future carries the message, and a
+    # callback raises it, which torch propagates as the error of the future DDP waits on.
+    raw = torch.futures.Future()
 
     def done(message):
-        if message is None:
-            fut.set_result(tensor)
-        else:
-            fut.set_exception(Error(message))
+        raw.set_result(tensor if message is None else message)
 
     state.reduce_bucket(tensor, bucket.index(), done)
     if bucket.is_last():
         state.iteration += 1
-    return fut
+    return raw.then(_bucket_or_raise)
+
+
+def _bucket_or_raise(fut):
+    value = fut.value()
+    if isinstance(value, str):
+        raise Error(value)
+    return value
 
 
 def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", timeout=None):
@@ -265,11 +282,10 @@ def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", time
         _same_timeout(engine, timeout, pg.rank())
         engine.all_reduce(tensor, torch.cuda.current_stream(tensor.device).cuda_stream, codec, topology, op)
         return tensor
-    with _lock:
+    with _lock:  # held while the engine is made: two threads' first calls must not take two channels
         engine = _plain_engines.get(pg)
-    if engine is None:
-        engine = _engine(pg, first_timeout)
-        with _lock:
+        if engine is None:
+            engine = _engine_locked(pg, first_timeout)
             _plain_engines[pg] = engine
     _same_timeout(engine, timeout, pg.rank())
     engine.all_reduce(tensor, codec, topology, op)

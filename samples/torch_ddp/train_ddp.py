@@ -7,7 +7,8 @@ Purpose: show a PyTorch user what lockstep_torch changes in a DDP script (nothin
 and compare the hook with DDP's default all-reduce on the same seed, data and epochs.
 Limits: CPU and Gloo only (the hook reduces float32 CPU buckets); the network is the sample
 trainer's small CNN (samples/fashion_cnn: 3 x conv3x3-BN-ReLU-maxpool, then a linear classifier);
-no augmentation; BatchNorm statistics are each rank's own (DDP broadcasts rank 0's buffers).
+no augmentation; BatchNorm normalises with each rank's own batch statistics (no SyncBatchNorm),
+and its running statistics are rank 0's (DDP broadcasts the buffers every forward).
 
 Run (4 ranks as local processes, or under torchrun, which sets RANK and WORLD_SIZE):
     PYTHONPATH=build/python samples/torch_ddp/train_ddp.py --world 4 --epochs 1
@@ -105,6 +106,9 @@ def train(rank, world, a):
     # Every rank draws the same permutation and takes its own slice of each global batch.
     g = torch.Generator().manual_seed(a.seed)
     steps = len(x) // (a.batch * world)
+    if steps == 0:
+        raise SystemExit(f"train_ddp.py: {len(x)} training images make no global batch of --batch {a.batch} x "
+                         f"{world} ranks: use more images (--images) or a smaller --batch")
     # --schedule cosine: the rate falls from --lr to 0 over the whole run, step by step.
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.epochs * steps) if a.schedule == "cosine" else None
     history = []
@@ -154,6 +158,11 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    for name in ("world", "epochs", "batch", "threads"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be at least 1, not {getattr(a, name)}")
+    if a.images < 0:
+        ap.error(f"--images must be 0 (all) or more, not {a.images}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         train(dist.get_rank(), dist.get_world_size(), a)

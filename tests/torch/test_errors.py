@@ -5,7 +5,7 @@
   a bucket whose size changes under error feedback (a bucket that only moves keeps its residuals);
   the transport alone: a message shorter than posted is errc::mismatch, never a truncation;
   settings that differ between the ranks (codec, topology, element count): both ranks fail with
-  errc::mismatch naming both sides; a peer that never calls: errc::timeout after the State's
+  errc::mismatch naming both sides, and under DDP backward raises with lockstep's message; a peer that never calls: errc::timeout after the State's
   2-second timeout (last: a Gloo timeout closes the process group's connections); a timeout of
   inf or 1e10 s waits (no limit) instead of expiring at once; an Inf step under error feedback
   leaves the later steps finite.
@@ -117,6 +117,20 @@ def body(rank, world):
         # The failed group stays failed: later calls say so at once.
         msg = collect(state, torch.ones(n), -1)
         assert msg is not None and "failed earlier" in msg, f"rank {rank}: after a mismatch: {msg}"
+
+    # A failed all-reduce under DDP reaches backward as an exception carrying lockstep's message
+    # (with Future.set_exception, torch 1.13's reducer read the error as the bucket and raised
+    # "Unable to cast ... to Tensor").
+    model = DDP(torch.nn.Linear(4, 2))
+    state = lt.State(codec=["int8", "dyntree8"][rank], topology="ring", timeout=20)
+    model.register_comm_hook(state, lt.allreduce_hook)
+    loss = model(torch.ones(3, 4)).sum()
+    try:
+        loss.backward()
+        raise AssertionError(f"rank {rank}: backward with codecs that differ went through")
+    except RuntimeError as e:
+        msg = str(e)
+        assert "codecs differ" in msg and "Unable to cast" not in msg and me in msg, f"rank {rank}: {msg}"
 
     # The transport alone: a message shorter than the receive posted is a mismatch, never a
     # truncation (inline-sized, around the 16-byte trailer, empty, multi-MiB); equal sizes arrive whole.
