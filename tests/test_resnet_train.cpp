@@ -23,6 +23,7 @@
 #include <iterator>
 
 #include "../samples/common/jpeg_encode.hpp"
+#include "../samples/resnet50/flags.hpp"
 #include "../samples/resnet50/replica_cpu.hpp"
 #include "fashion_gradcheck.hpp"
 
@@ -253,4 +254,40 @@ TEST_CASE("evaluating a checkpoint reproduces its last validation; the crop shar
   REQUIRE(unvalidated.epochs.size() == 1);
   CHECK(std::isnan(unvalidated.epochs[0].top1));
   fs::remove_all(dir);
+}
+
+// Flags checked before anything runs: a batch-norm group that would see one value per channel in
+// the last stage (1x1 maps up to --size 32) is refused, as torch refuses it (it normalised every
+// value to beta and wrote a running variance of 0: the loss stayed at ln(classes), val loss grew to
+// 1e17); an --optimizer sgd after --recipe mlperf keeps SGD's linear rule, not LARS' peak of 10.
+TEST_CASE("flags: one value per channel in a batch norm is refused; the recipe's lr is LARS'", "[resnet][flags]") {
+  options o;
+  o.synthetic = true;
+  o.size = 32;  // the last stage's maps: 1x1
+  o.batch = 2;
+  o.ranks = 2;
+  o.bn_group = 1;
+  CHECK_THROWS_WITH(validate(o), Catch::Contains("gives the last stage's batch norms 1 value per channel (its maps are 1x1)"));
+  o.bn_group = 2;  // statistics over both replicas: 2 values
+  CHECK_NOTHROW(validate(o));
+  o.bn_group = 1;
+  o.size = 64;  // 2x2 maps: 4 values from one image
+  CHECK_NOTHROW(validate(o));
+  o.size = 32;
+  o.batch = 4;
+  CHECK_NOTHROW(validate(o));
+
+  const char* sgd_after[] = {"lockstep-train-resnet50", "--synthetic", "--batch", "512", "--recipe", "mlperf", "--optimizer", "sgd"};
+  const options s = parse_flags(8, const_cast<char**>(sgd_after));
+  CHECK(s.optimizer == "sgd");
+  CHECK(peak_lr(s) == Approx(0.2));  // 0.1 x 512 / 256
+  const char* lars[] = {"lockstep-train-resnet50", "--synthetic", "--batch", "512", "--recipe", "mlperf"};
+  CHECK(peak_lr(parse_flags(6, const_cast<char**>(lars))) == 10.0);
+  // The recipe's warmup follows the final batch; a --warmup-epochs given is kept.
+  const char* w5[] = {"x", "--synthetic", "--recipe", "mlperf", "--batch", "32768", "--warmup-epochs", "5"};
+  CHECK(parse_flags(8, const_cast<char**>(w5)).warmup_epochs == 5);
+  const char* big_then_small[] = {"x", "--synthetic", "--batch", "40000", "--recipe", "mlperf", "--batch", "1024"};
+  CHECK(parse_flags(8, const_cast<char**>(big_then_small)).warmup_epochs == 5);
+  const char* big[] = {"x", "--synthetic", "--recipe", "mlperf", "--batch", "32768"};
+  CHECK(parse_flags(6, const_cast<char**>(big)).warmup_epochs == 25);
 }

@@ -76,6 +76,7 @@ inline void usage(const char* program, const options& d) {
 inline options parse_flags(int argc, char** argv) {
   sample::flag_parser p(argc, argv, "lockstep-train-resnet50");
   options o;
+  bool warmup_given = false;
   auto integer = [&] { return static_cast<int>(p.number()); };
   while (p.next()) {
     if (p.is("--help") || p.is("-h")) usage(p.program(), o), std::exit(0);
@@ -115,7 +116,7 @@ inline options parse_flags(int argc, char** argv) {
     }
     else if (p.is("--optimizer")) o.optimizer = p.value();
     else if (p.is("--lr")) o.lr = p.number();
-    else if (p.is("--warmup-epochs")) o.warmup_epochs = p.number();
+    else if (p.is("--warmup-epochs")) o.warmup_epochs = p.number(), warmup_given = true;
     else if (p.is("--end-lr")) o.end_lr = p.number();
     else if (p.is("--power")) o.power = p.number();
     else if (p.is("--momentum")) o.momentum = static_cast<float>(p.number());
@@ -125,8 +126,9 @@ inline options parse_flags(int argc, char** argv) {
     else if (p.is("--seed")) o.seed = static_cast<std::uint64_t>(p.number());
     else p.unknown();
   }
-  // The recipe's warmup depends on the batch, which may come after --recipe.
-  if (o.recipe == "mlperf" && o.batch >= 32768 && o.warmup_epochs == 5) o.warmup_epochs = 25;
+  // The recipe's warmup depends on the final batch, which may come after --recipe; a
+  // --warmup-epochs given anywhere is kept.
+  if (o.recipe == "mlperf" && !warmup_given) o.warmup_epochs = o.batch >= 32768 ? 25 : 5;
   return o;
 }
 

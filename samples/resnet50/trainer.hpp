@@ -110,7 +110,8 @@ inline double mlperf_base_lr(int global_batch) {
 // images, Goyal et al. 2017) or LARS' 10 per the MLPerf table.
 inline double peak_lr(const options& o) {
   if (o.lr > 0) return o.lr;
-  if (o.recipe == "mlperf" || o.optimizer == "lars") return mlperf_base_lr(o.batch);
+  // The recipe sets LARS; an --optimizer sgd after it keeps SGD's rule (10 would diverge at once).
+  if (o.optimizer == "lars") return mlperf_base_lr(o.batch);
   return 0.1 * o.batch / 256.0;
 }
 
@@ -369,6 +370,9 @@ void train_replica(Group& world, const options& o, sample::image_pipeline& train
         std::printf("epoch %d: val top-1 %.2f%%  top-5 %.2f%%  val loss %.4f  train loss %.4f  %.1f img/s  (%.0f s)\n",
                     rec.epoch, 100.0 * rec.top1, 100.0 * rec.top5, rec.val_loss, rec.train_loss, rec.images_per_s,
                     rec.seconds);
+        if (sums[3] > 0 && !std::isfinite(rec.val_loss))
+          std::printf("note: the val loss is not finite: the model overflows with batch norm's running statistics "
+                      "(tiny batches per batch-norm group make them lag weights that batch statistics kept in range)\n");
         write_plot(o.out, true);
       }
     }
@@ -385,6 +389,18 @@ inline void validate(const options& o) {
   // torchvision's resnet50 takes any side. At 16 the last two stages already see 1x1 maps; a smaller
   // side takes the stages before them down to 1x1 too, which is no longer a ResNet at work.
   if (o.size < 16) bad("--size must be at least 16");
+  // Batch statistics need two values per channel: the last stage's maps are 1x1 up to --size 32,
+  // so a batch-norm group of one image there normalises every value to beta and writes a running
+  // variance of 0 (torch refuses it: "Expected more than 1 value per channel when training").
+  if (o.ranks >= 1 && o.batch >= o.ranks) {
+    const int side = make_layout(config{.classes = 2, .size = o.size}).final_side;
+    const long long values = static_cast<long long>(o.batch / o.ranks) * std::max(o.bn_group, 1) * side * side;
+    if (values < 2)
+      bad("--batch " + std::to_string(o.batch) + " over --ranks " + std::to_string(o.ranks) + " with --bn-group " +
+          std::to_string(o.bn_group) + " at --size " + std::to_string(o.size) + " gives the last stage's batch norms " +
+          std::to_string(values) + " value per channel (its maps are " + std::to_string(side) + "x" +
+          std::to_string(side) + "): batch statistics need at least 2; raise --batch, --bn-group or --size");
+  }
   if (o.epochs < 1) bad("--epochs must be at least 1");
   if (o.lr < 0) bad("--lr must be positive (0: the optimizer's default)");
   if (o.label_smoothing < 0 || o.label_smoothing >= 1) bad("--label-smoothing must be in [0, 1)");
