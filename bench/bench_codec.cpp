@@ -79,6 +79,21 @@ errors measure_error(const C& c, const std::vector<float>& x) {
   std::vector<float> y(x.size());
   c.encode(x.data(), x.size(), w.data());
   c.decode(w.data(), x.size(), y.data());
+  // What the rounds below time is checked once here: decode_add must give acc + decode bit for
+  // bit (the executor's reduce-scatter relies on it), so that a fast but wrong path cannot be
+  // reported as fast.
+  std::vector<float> acc(x.size()), want(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    acc[i] = 0.5f * x[(i * 7) % x.size()];
+    want[i] = acc[i] + y[i];
+  }
+  c.decode_add(w.data(), x.size(), acc.data());
+  for (std::size_t i = 0; i < x.size(); ++i)
+    if (std::memcmp(&acc[i], &want[i], sizeof(float)) != 0) {
+      std::fprintf(stderr, "lockstep-bench-codec: %s: decode_add gave %.9g at element %zu, decode + add %.9g\n",
+                   std::string(c.name()).c_str(), acc[i], i, want[i]);
+      std::exit(1);
+    }
   errors e;
   for (std::size_t i = 0; i < x.size(); ++i) {
     const double r = std::abs(double(y[i]) - x[i]) / std::abs(double(x[i]));

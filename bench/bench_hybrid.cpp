@@ -57,8 +57,8 @@
 
 #if LOCKSTEP_HAVE_MPI
 #include <lockstep/transport/mpi.hpp>
-#include "cli.hpp"
 #endif
+#include "cli.hpp"  // split_list, with or without MPI
 
 using namespace lockstep;
 

@@ -277,6 +277,25 @@ int main(int argc, char** argv) {
     optim::update(o, ps, std::span<float>(w), std::span<const float>(g), st, {.lr = 0.01f}, {}, pool);
     return seconds_since(t0);
   };
+  // What is timed is checked once, untimed: one SGD step from a fresh state against torch's
+  // formula in double (first step: v = g + weight_decay * w; w -= lr * v), every element of every
+  // tensor, so that a fast but wrong update cannot be reported as fast.
+  {
+    std::vector<float> w1 = w;
+    optim::state st(ps, sgd);
+    optim::update(sgd, ps, std::span<float>(w1), std::span<const float>(g), st, {.lr = 0.01f}, {}, pool);
+    for (const auto& t : ps.tensors())
+      for (std::size_t i = t.offset; i < t.offset + t.size; ++i) {
+        const double want = double(w[i]) - 0.01 * (double(g[i]) + 1e-4 * double(w[i]));
+        // fp32 rounding, relative to the operands' size (a result near 0 is the difference of two)
+        const double tol = 1e-6 * (std::abs(double(w[i])) + 0.01 * std::abs(double(g[i]))) + 1e-30;
+        if (!(std::abs(w1[i] - want) <= tol)) {
+          std::fprintf(stderr, "lockstep-bench-optim: the SGD update gave %.9g at element %zu, torch's formula %.9g\n",
+                       double(w1[i]), i, want);
+          return 1;
+        }
+      }
+  }
   std::vector<double> t_copy, t_triad, t_sgd, t_lars, t_torch;
   for (int r = -1; r < opt.rounds; ++r) {  // round -1 warms up: page faults, momentum first touch
     const double a = time_memcpy(), e = time_triad(), b = time_update(sgd, st_sgd), c = time_update(lars, st_lars);
