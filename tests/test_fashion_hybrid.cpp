@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include <filesystem>
+#include <mutex>
 
 #include "../samples/fashion_cnn/replica_cpu.hpp"
 #include "fashion_runs.hpp"
@@ -144,4 +145,41 @@ TEST_CASE("flags a hybrid run cannot honour are refused, naming the flag", "[fas
   CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("needs at least one of fc1's columns"));
   o = head_run("refused", 2, "hybrid-d");
   CHECK_THROWS_WITH(train_inproc(o), Catch::Contains("--parallel must be data, hybrid-a, hybrid-b or hybrid-c"));
+}
+
+// Ranks started with different flags (one data-parallel, one hybrid) would post collectives that
+// do not match, and over NCCL hang: the trainers gather every rank's flag fingerprints first, and
+// every rank fails naming the flag and the rank.
+TEST_CASE("ranks started with different --parallel, --fc or seed fail at once naming the flag", "[fashion][hybrid]") {
+  struct variant {
+    const char* flag;
+    void (*change)(options&);
+  };
+  const variant variants[] = {
+      {"--parallel", [](options& o) { o.parallel = "hybrid-a"; }},
+      {"--activation-codec", [](options& o) { o.activation_codec = "int8"; }},  // under every rank's hybrid-b below
+      {"--fc", [](options& o) { o.fc = {64, 32}; }},
+      {"--seed", [](options& o) { o.seed += 1; }},
+      {"training flags", [](options& o) { o.codec = "int8"; }},
+  };
+  for (const auto& v : variants) {
+    CAPTURE(v.flag);
+    std::mutex m;
+    std::vector<std::string> what(3);
+    lockstep::run_inproc(3, [&](auto& g) {
+      options o;
+      if (std::string(v.flag) == "--activation-codec") o.parallel = "hybrid-b";  // data parallel: not on the wire
+      if (g.rank() == 2) v.change(o);
+      try {
+        sample::check_same_flags(g, flag_fingerprints(o));
+      } catch (const std::invalid_argument& e) {
+        std::lock_guard lk(m);
+        what[static_cast<std::size_t>(g.rank())] = e.what();
+      }
+    });
+    for (const auto& w : what)
+      CHECK(w.rfind(std::string("rank 2 was started with other ") + v.flag, 0) == 0);
+  }
+  // The same flags everywhere: no error (run_inproc rethrows one).
+  CHECK_NOTHROW(lockstep::run_inproc(3, [&](auto& g) { sample::check_same_flags(g, flag_fingerprints(options{})); }));
 }

@@ -7,10 +7,13 @@
 // bn_group), so each trainer keeps its own options and help text.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
@@ -85,6 +88,25 @@ struct replica_bn_group {
   replica_bn_group(const replica_bn_group&) = delete;
   replica_bn_group& operator=(const replica_bn_group&) = delete;
 };
+
+// Ranks started with different flags (one --parallel data, another hybrid; other --fc, another
+// seed) would meet in collectives that do not match, and over NCCL, which carries no headers,
+// hang or compute wrong numbers. So before anything else each rank's fingerprint of every flag
+// that shapes the run is gathered over the host group, and every rank throws, naming the first
+// flag and rank that differ from rank 0's. `flags`: (what, fingerprint) pairs, "--parallel" say.
+template <class Group>
+void check_same_flags(Group& world, const std::vector<std::pair<std::string, std::uint64_t>>& flags) {
+  std::vector<float> mine(2 * flags.size());  // each 64-bit fingerprint as two fp32 bit patterns
+  for (std::size_t i = 0; i < flags.size(); ++i) std::memcpy(&mine[2 * i], &flags[i].second, sizeof(std::uint64_t));
+  std::vector<float> all(mine.size() * static_cast<std::size_t>(world.size()));
+  lockstep::codec::fp32 c32;  // copies bits
+  lockstep::all_gather(world, std::span<const float>(mine), std::span<float>(all), lockstep::topology::ring{}, c32);
+  for (int r = 1; r < world.size(); ++r)
+    for (std::size_t i = 0; i < flags.size(); ++i)
+      if (std::memcmp(&all[static_cast<std::size_t>(r) * mine.size() + 2 * i], &all[2 * i], sizeof(std::uint64_t)) != 0)
+        throw std::invalid_argument("rank " + std::to_string(r) + " was started with other " + flags[i].first +
+                                    " than rank 0: start every rank with the same flags");
+}
 
 // Every replica's `mine` (its error-feedback residuals), in rank order, for rank 0's checkpoint.
 template <class Group>

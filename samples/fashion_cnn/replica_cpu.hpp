@@ -67,6 +67,7 @@ class cpu_replica {
 // One replica of a run on the CPU, the policies named by the flags.
 template <class Group>
 void train_dispatch(Group& world, const options& o, const shared_data& data, run_result& result) {
+  sample::check_same_flags(world, flag_fingerprints(o));
   with_policies(o, [&](auto topo, auto& codec, auto opt) {
     using C = std::remove_reference_t<decltype(codec)>;
     if (o.parallel == "data") {

@@ -72,6 +72,7 @@ class gpu_replica {
 template <class HostGroup, class DeviceGroup>
 void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, const shared_data& data,
                          run_result& result) {
+  sample::check_same_flags(host, flag_fingerprints(o));  // over the host group: it has headers
   with_policies(o, [&](auto topo, auto& codec, auto opt) {
     using C = std::remove_reference_t<decltype(codec)>;
     auto run = [&](auto& rep) {

@@ -130,6 +130,18 @@ inline std::uint64_t options_fingerprint(const options& o) {
 
 using checkpoint = sample::checkpoint;
 
+// What every rank must agree on before the run (sample::check_same_flags): the flags that shape
+// the model and the collectives, each named in the error.
+inline std::vector<std::pair<std::string, std::uint64_t>> flag_fingerprints(const options& o) {
+  auto fp = [](const std::string& s) { return sample::fingerprint(s); };
+  return {{"--parallel", fp(o.parallel)},
+          {"--activation-codec", fp(o.parallel == "data" ? "" : o.activation_codec)},  // data: none on the wire
+          {"--fc", fp(std::to_string(o.fc[0]) + "," + std::to_string(o.fc[1]))},
+          {"--channels", fp(std::to_string(o.channels[0]) + "," + std::to_string(o.channels[1]) + "," + std::to_string(o.channels[2]))},
+          {"--seed", fp(std::to_string(o.seed))},
+          {"training flags (batch, topology, codec, optimizer, schedule, epochs, ...)", options_fingerprint(o)}};
+}
+
 inline void save_checkpoint(const std::string& path, const options& o, const checkpoint& c) {
   const sample::checkpoint_head model{0, 0, 0, 0, 0, 0, static_cast<std::uint32_t>(o.channels[0]),
                                       static_cast<std::uint32_t>(o.channels[1]), static_cast<std::uint32_t>(o.channels[2]), 0};
