@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 
 #include "../samples/common/jpeg_encode.hpp"
 #include "../samples/resnet50/flags.hpp"
@@ -290,4 +291,29 @@ TEST_CASE("flags: one value per channel in a batch norm is refused; the recipe's
   CHECK(parse_flags(8, const_cast<char**>(big_then_small)).warmup_epochs == 5);
   const char* big[] = {"x", "--synthetic", "--recipe", "mlperf", "--batch", "32768"};
   CHECK(parse_flags(6, const_cast<char**>(big)).warmup_epochs == 25);
+}
+
+// Ranks started with different flags would post collectives that do not match (over NCCL: a hang):
+// the trainers gather every rank's flag fingerprints first and every rank fails naming the flag.
+TEST_CASE("ranks started with a different seed or --bn-group fail at once naming it", "[resnet][flags]") {
+  for (int which = 0; which < 2; ++which) {
+    std::mutex m;
+    std::vector<std::string> what(2);
+    lockstep::run_inproc(2, [&](auto& g) {
+      options o;
+      o.synthetic = true;
+      if (g.rank() == 1) {
+        if (which == 0) o.seed += 1;
+        else o.bn_group = 2;
+      }
+      try {
+        sample::check_same_flags(g, flag_fingerprints(o));
+      } catch (const std::invalid_argument& e) {
+        std::lock_guard lk(m);
+        what[static_cast<std::size_t>(g.rank())] = e.what();
+      }
+    });
+    const std::string want = which == 0 ? "rank 1 was started with other --seed" : "rank 1 was started with other training flags";
+    for (const auto& w : what) CHECK(w.rfind(want, 0) == 0);
+  }
 }

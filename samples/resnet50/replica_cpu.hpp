@@ -95,6 +95,7 @@ class cpu_replica {
 // One replica of a run on the CPU: its pipelines, and the policies and precision the flags name.
 template <class Group>
 void train_dispatch(Group& world, const options& o, run_result& result) {
+  sample::check_same_flags(world, flag_fingerprints(o));  // before any collective that depends on them
   const int rank = world.rank(), R = world.size();
   sample::image_pipeline train(pipeline_options(o, true, rank, R));
   std::unique_ptr<sample::image_pipeline> val;

@@ -92,6 +92,7 @@ class gpu_replica {
 // host group `host` for batch norm, validation and checkpoints, the device group `dg` for gradients.
 template <class HostGroup, class DeviceGroup>
 void train_dispatch_cuda(HostGroup& host, DeviceGroup& dg, const options& o, run_result& result) {
+  sample::check_same_flags(host, flag_fingerprints(o));  // before any collective that depends on them
   const int rank = host.rank(), R = host.size();
   sample::image_pipeline train(pipeline_options(o, true, rank, R));
   std::unique_ptr<sample::image_pipeline> val;

@@ -27,6 +27,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
@@ -166,6 +167,15 @@ inline std::uint64_t options_fingerprint(const options& o) {
 }
 
 using checkpoint = sample::checkpoint;
+
+// What every rank must agree on before the run (sample::check_same_flags), each named in the error.
+inline std::vector<std::pair<std::string, std::uint64_t>> flag_fingerprints(const options& o) {
+  auto fp = [](const std::string& s) { return sample::fingerprint(s); };
+  return {{"--seed", fp(std::to_string(o.seed))},
+          {"--classes", fp(o.synthetic ? std::to_string(o.classes) : std::string())},
+          {"training flags (batch, size, precision, bn-group, topology, codec, optimizer, schedule, ...)",
+           options_fingerprint(o)}};
+}
 
 inline void save_checkpoint(const std::string& path, const options& o, int classes, const checkpoint& c) {
   const sample::checkpoint_head model{0, 0, 0, 0, 0, 0, static_cast<std::uint32_t>(classes), static_cast<std::uint32_t>(o.size), 0,
