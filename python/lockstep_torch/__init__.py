@@ -261,9 +261,24 @@ def _bucket_or_raise(fut):
     return value
 
 
+def _op_name(op, rank):
+    """"sum" or "average" for torch.distributed's ReduceOp.SUM / AVG; a string goes through as it is
+    (lockstep names an unknown one); any other ReduceOp or type is an Error saying what is accepted."""
+    if isinstance(op, str):
+        return op
+    if isinstance(op, dist.ReduceOp):
+        if op == dist.ReduceOp.SUM:
+            return "sum"
+        if hasattr(dist.ReduceOp, "AVG") and op == dist.ReduceOp.AVG:
+            return "average"
+    raise Error(f"lockstep: all_reduce on rank {rank}: invalid argument: op {op!r}: lockstep reduces by "
+                "'sum' or 'average' (ReduceOp.SUM or ReduceOp.AVG)")
+
+
 def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", timeout=None):
     """Reduces a contiguous float32 tensor in place over `group` (default: the world) with
-    lockstep's codec and topology; op is "sum" or "average". Returns the tensor. The first call on
+    lockstep's codec and topology; op is "sum" or "average" (or torch.distributed's ReduceOp.SUM or
+    ReduceOp.AVG). Returns the tensor. The first call on
     a group takes its channel (see the module's note on order) and sets its timeout (seconds or a
     timedelta; default 300 s), which every later call on that group keeps: a later call that names
     another timeout raises Error rather than silently waiting for the first one's.
@@ -271,6 +286,7 @@ def all_reduce(tensor, codec="fp32", topology="ring", group=None, op="sum", time
     device joins a communicator, on every rank); as with NCCL's all_reduce, its count is not
     checked across the ranks."""
     pg = _group_of(group)
+    op = _op_name(op, pg.rank())
     first_timeout = 300.0 if timeout is None else timeout
     if tensor.is_cuda:
         index = _cuda_device(tensor.device, pg.rank())

@@ -46,6 +46,13 @@ def body(rank, world):
     expect(lambda: lt.all_reduce(torch.ones(8), topology="tree"), "unknown topology 'tree'")
     expect(lambda: lt.all_reduce(torch.ones(8), topology="torus2d:3x3"), "3x3 does not match a group of 2")
     expect(lambda: lt.all_reduce(torch.ones(8), op="max"), "unknown op 'max'")
+    # torch.distributed's ReduceOp: SUM and AVG are taken, the others named (was pybind's TypeError).
+    expect(lambda: lt.all_reduce(torch.ones(8), op=dist.ReduceOp.MAX), "op", "'sum' or 'average'", me)
+    expect(lambda: lt.all_reduce(torch.ones(8), op=3), "op 3", me)
+    for op, want in ((dist.ReduceOp.SUM, 2.0 + 1.0), (dist.ReduceOp.AVG, 1.5)):
+        x = torch.full((8,), float(rank + 1))
+        lt.all_reduce(x, op=op)
+        assert torch.equal(x, torch.full((8,), want)), f"rank {rank}: {op}: {x}"
     expect(lambda: lt.State(codec="fp8"), "unknown codec")
     x = torch.full((8,), float(rank + 1))
     lt.all_reduce(x)
