@@ -89,6 +89,15 @@ struct replica_bn_group {
   replica_bn_group& operator=(const replica_bn_group&) = delete;
 };
 
+// Every replica's `mine` (its error-feedback residuals), in rank order, for rank 0's checkpoint.
+template <class Group>
+std::vector<float> gather_all(Group& world, std::span<const float> mine) {
+  std::vector<float> all(mine.size() * static_cast<std::size_t>(world.size()));
+  lockstep::codec::fp32 c32;
+  lockstep::all_gather(world, mine, std::span<float>(all), lockstep::topology::ring{}, c32);
+  return all;
+}
+
 // Ranks started with different flags (one --parallel data, another hybrid; other --fc, another
 // seed) would meet in collectives that do not match, and over NCCL, which carries no headers,
 // hang or compute wrong numbers. So before anything else each rank's fingerprint of every flag
@@ -98,23 +107,12 @@ template <class Group>
 void check_same_flags(Group& world, const std::vector<std::pair<std::string, std::uint64_t>>& flags) {
   std::vector<float> mine(2 * flags.size());  // each 64-bit fingerprint as two fp32 bit patterns
   for (std::size_t i = 0; i < flags.size(); ++i) std::memcpy(&mine[2 * i], &flags[i].second, sizeof(std::uint64_t));
-  std::vector<float> all(mine.size() * static_cast<std::size_t>(world.size()));
-  lockstep::codec::fp32 c32;  // copies bits
-  lockstep::all_gather(world, std::span<const float>(mine), std::span<float>(all), lockstep::topology::ring{}, c32);
+  const std::vector<float> all = gather_all(world, std::span<const float>(mine));  // fp32: the bits as sent
   for (int r = 1; r < world.size(); ++r)
     for (std::size_t i = 0; i < flags.size(); ++i)
       if (std::memcmp(&all[static_cast<std::size_t>(r) * mine.size() + 2 * i], &all[2 * i], sizeof(std::uint64_t)) != 0)
         throw std::invalid_argument("rank " + std::to_string(r) + " was started with other " + flags[i].first +
                                     " than rank 0: start every rank with the same flags");
-}
-
-// Every replica's `mine` (its error-feedback residuals), in rank order, for rank 0's checkpoint.
-template <class Group>
-std::vector<float> gather_all(Group& world, std::span<const float> mine) {
-  std::vector<float> all(mine.size() * static_cast<std::size_t>(world.size()));
-  lockstep::codec::fp32 c32;
-  lockstep::all_gather(world, mine, std::span<float>(all), lockstep::topology::ring{}, c32);
-  return all;
 }
 
 // This rank's error-feedback residuals in a checkpoint (2 x params floats: per bucket, phase 0
