@@ -5,8 +5,11 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <latch>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -83,6 +86,40 @@ TEST_CASE("a failing rank stops every rank of the group at once, naming it", "[a
         CHECK(o.peer == bad);
         CHECK_THAT(o.what, Catch::Contains("rank " + std::to_string(bad) + " failed") &&
                                Catch::Contains("the epilogue threw: diverged at step 3"));
+      }
+    }
+  }
+  SECTION("a set-up that fails on one rank after the call began (its scratch cannot be allocated)") {
+    // The codec's wire_bytes, which sizes the scratch, throws what a failed allocation throws: the
+    // failing rank has taken the call's number, so its peers are in the call and must hear of it.
+    struct no_memory_on_bad_rank : codec::bf16 {
+      bool fail = false;
+      std::size_t wire_bytes(std::size_t n) const {
+        if (fail) throw std::bad_alloc();
+        return codec::bf16::wire_bytes(n);
+      }
+    };
+    const int bad = 1;
+    const auto out = run(n, [&](inproc_group& g) {
+      std::vector<float> v = v0;
+      no_memory_on_bad_rank c;
+      for (int i = 0; i < 4; ++i) {
+        c.fail = g.rank() == bad && i == 2;
+        all_reduce(g, std::span<float>(v), topology::ring{}, c);
+      }
+    });
+    for (int r = 0; r < n; ++r) {
+      const auto& o = out[static_cast<std::size_t>(r)];
+      INFO("rank " << r << ": " << o.what);
+      CHECK(o.took < 1s);
+      if (r == bad) {
+        CHECK_FALSE(o.code);
+        CHECK(o.what == std::bad_alloc().what());
+      } else {
+        REQUIRE(o.code);
+        CHECK(*o.code == errc::aborted);
+        CHECK(o.peer == bad);
+        CHECK_THAT(o.what, Catch::Contains("the set-up failed: " + std::string(std::bad_alloc().what())));
       }
     }
   }
@@ -311,4 +348,68 @@ TEST_CASE("a step whose post throws closes the transport's group", "[abort]") {
     CHECK(what[0].find("the communicator was aborted") != std::string::npos);
     for (int d : depth) CHECK(d == 0);
   }
+}
+
+namespace {
+
+// A stream-ordered transport that learns of a failure outside any call, as NCCL's proxy thread
+// does (ncclCommGetAsyncError): inproc_deferred, whose async_error() reports `failed` once set.
+class failing_async : public transport::inproc_deferred {
+ public:
+  failing_async(transport::inproc_deferred t, const std::atomic<bool>* failed)
+      : transport::inproc_deferred(std::move(t)), failed_(failed) {}
+  std::string async_error() const { return failed_->load() ? "the connection to rank 1 was closed" : std::string(); }
+
+ private:
+  const std::atomic<bool>* failed_;
+};
+
+}  // namespace
+
+// The wait of a stream-ordered call must report the transport's own failure when it happens, by
+// its cause, not the group's timeout later; and it must let the stream finish what it holds before
+// the error reaches code that frees the buffers (here: the work queued behind the call has run).
+TEST_CASE("a stream-ordered wait reports the transport's asynchronous error at once, after draining the stream", "[abort][stream]") {
+  const int n = 3;
+  auto world = transport::inproc_deferred::make_world(n);
+  std::atomic<bool> failed{false}, never{false}, tail_ran{false};
+  std::vector<outcome> out(static_cast<std::size_t>(n));
+  bool tail_ran_at_throw = false;
+  std::latch all_done(n);
+  transport::detail::run_ranks(n, *world, [&](int r) {
+    host_stream s(20s);
+    {
+      group_options o;
+      o.timeout = 20s;
+      group<failing_async> g(failing_async(transport::inproc_deferred(world, r, &s), r == 0 ? &failed : &never), o);
+      std::vector<float> v(4096, 1.0f);
+      codec::fp32 c;
+      auto& mine = out[static_cast<std::size_t>(r)];
+      // Rank 0's stream is busy (a long kernel) when the call is queued behind it.
+      if (r == 0) s.enqueue([] { std::this_thread::sleep_for(1500ms); });
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        auto req = all_reduce_async(g, std::span<float>(v), topology::ring{}, c);
+        if (r == 0) {
+          s.enqueue([&] { tail_ran = true; });
+          failed = true;
+        }
+        req.wait();
+      } catch (const error& e) {
+        mine.code = e.code();
+        mine.what = e.what();
+        if (r == 0) tail_ran_at_throw = tail_ran.load();
+      }
+      mine.took = std::chrono::steady_clock::now() - t0;
+      all_done.arrive_and_wait();  // the peers' buffers outlive what rank 0's stream still reads
+    }
+    s.synchronize();
+  });
+  INFO("rank 0: " << out[0].what);
+  REQUIRE(out[0].code);
+  CHECK(*out[0].code == errc::transport);
+  CHECK_THAT(out[0].what, Catch::Contains("the connection to rank 1 was closed") && Catch::Contains("on rank 0"));
+  CHECK(tail_ran_at_throw);
+  CHECK(out[0].took < 10s);
+  for (const auto& o : out) CHECK(o.took < 10s);
 }

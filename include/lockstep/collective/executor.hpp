@@ -259,10 +259,14 @@ class schedule_run {
   void run() {
     validate();
     seq_ = g_.next_sequence();
-    lay_out_wire();
-    mark_final_copies();
-    mark_forwards();
+    // From here on the peers count this call as begun: whatever stops this rank, a failed scratch
+    // allocation in the set-up included, must reach them (an abort), or they wait out the timeout.
+    bool set_up = false;
     try {
+      lay_out_wire();
+      mark_final_copies();
+      mark_forwards();
+      set_up = true;
       post_headers();
       if (op_.kind == op_kind::broadcast && rank_ == op_.root) finalize_broadcast_root();
       const std::size_t final_at = owns() ? pipeline::finalize_step(s_) : s_.steps.size() + 1;
@@ -285,12 +289,14 @@ class schedule_run {
       if (e.op() == op_.label) throw;
       throw error(e.code(), op_.label, rank_, e.peer(), e.detail());
     } catch (const std::exception& e) {
-      // The epilogue's own failure (an optimizer's check, the user's callback): the peers are
-      // told the same way, and the exception goes on unchanged.
-      t_.abort(op_.label + " on rank " + std::to_string(rank_) + ": the epilogue threw: " + e.what());
+      // The epilogue's own failure (an optimizer's check, the user's callback), or the set-up's
+      // (std::bad_alloc for the scratch): the peers are told the same way, and the exception goes
+      // on unchanged.
+      t_.abort(op_.label + " on rank " + std::to_string(rank_) + (set_up ? ": the epilogue threw: " : ": the set-up failed: ") +
+               e.what());
       throw;
     } catch (...) {
-      t_.abort(op_.label + " on rank " + std::to_string(rank_) + ": the epilogue threw");
+      t_.abort(op_.label + " on rank " + std::to_string(rank_) + (set_up ? ": the epilogue threw" : ": the set-up failed"));
       throw;
     }
   }

@@ -164,6 +164,9 @@ class group {
       st->rank = rank();
       st->timeout = s_->opt.timeout;
       st->abort = [s = s_](const std::string& why) { s->t.abort(why); };
+      st->drain = [s = s_] { s->space.drain(deadline_after(s->opt.timeout)); };
+      if constexpr (requires(T& t) { { t.async_error() } -> std::convertible_to<std::string>; })
+        st->async_error = [s = s_] { return std::string(s->t.async_error()); };
       return request(st);
     } else {
       auto st = std::make_shared<detail::request_state>();

@@ -87,6 +87,10 @@ struct stream_request final : pending {
   int rank = -1;
   std::chrono::milliseconds timeout{0};
   std::function<void(const std::string&)> abort;
+  // The transport's asynchronous error, or empty (transport/concept.hpp, async_error); may be null.
+  std::function<std::string()> async_error;
+  // Waits, up to a deadline, for what the stream still holds of this call and of earlier ones.
+  std::function<void()> drain;
 
   bool ready() override { return error || Space::ready(done); }
   bool wait_until(std::chrono::steady_clock::time_point deadline) override {
@@ -95,18 +99,32 @@ struct stream_request final : pending {
     auto sleep = std::chrono::microseconds(5);
     for (int polls = 0; !ready(); ++polls) {
       if (std::chrono::steady_clock::now() >= deadline) return false;
-      if (polls < 64) std::this_thread::yield();
-      else std::this_thread::sleep_for(sleep = std::min(sleep * 2, std::chrono::microseconds(1000)));
+      if (polls < 64) {
+        std::this_thread::yield();
+        continue;
+      }
+      if (async_error) {
+        if (std::string why = async_error(); !why.empty()) fail(errc::transport, why);
+      }
+      std::this_thread::sleep_for(sleep = std::min(sleep * 2, std::chrono::microseconds(1000)));
     }
     if (error) std::rethrow_exception(std::exchange(error, nullptr));
     return true;
   }
   void wait() override {
     if (wait_until(deadline_after(timeout))) return;
-    const std::string why = "the stream did not finish within " + std::to_string(timeout.count()) +
-                            " ms (a peer that never posted its side stalls the stream)";
+    fail(errc::timeout, "the stream did not finish within " + std::to_string(timeout.count()) +
+                            " ms (a peer that never posted its side stalls the stream)");
+  }
+
+ private:
+  // Tell the peers, then let the stream finish before the error reaches code that may free the
+  // buffers its queued work still reads and writes (the abort unblocks that work: NCCL's kernels
+  // end, a deferred stream's waits on peers fail), as group::submit does when enqueueing fails.
+  [[noreturn]] void fail(errc code, const std::string& why) {
     if (abort) abort(why);
-    throw lockstep::error(errc::timeout, label, rank, -1, why);
+    if (drain) drain();
+    throw lockstep::error(code, label, rank, -1, why);
   }
 };
 

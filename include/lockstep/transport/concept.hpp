@@ -35,6 +35,12 @@
 //                                          (mpi: the shared rings; docs/design.md)
 //   T::sends_wait_for_receives             true: a send moves nothing before the peer's receive
 //                                          is posted (the executor posts receives first)
+//   t.async_error() -> std::string         a failure the transport learned of outside any call of
+//                                          ours (NCCL's asynchronous errors: a peer that died, a
+//                                          network error), or empty. A stream-ordered request's
+//                                          wait polls it while the stream has not finished, so
+//                                          the failure is reported at once, by its cause, not at
+//                                          the timeout (as torch's NCCL watchdog does)
 //   T::waits_end_the_transport             true: a wait that times out leaves the endpoint
 //                                          unusable (Gloo closes its pairs), so the executor never
 //                                          waits in short looks, only up to the call's deadline

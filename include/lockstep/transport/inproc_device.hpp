@@ -15,13 +15,9 @@
 #include "inproc_stream.hpp"
 #include "run_inproc.hpp"
 
-namespace lockstep::transport {
-
-using inproc_device = inproc_stream<device::cuda_space>;
-
-}  // namespace lockstep::transport
-
 namespace lockstep {
+
+namespace transport { using inproc_device = inproc_stream<device::cuda_space>; }
 
 // Runs n ranks on the current GPU, one host thread and one stream each: f(group<inproc_device>&) on
 // each. Each rank's stream is synchronised before its thread ends (so asynchronous failures

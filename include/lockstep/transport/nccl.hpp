@@ -9,9 +9,10 @@
 // executor still passes them). A chunk is one message (segment_bytes = whole_chunk).
 //
 // What NCCL does not give: a timeout on a peer that never posts (the stream just does not move;
-// the request's wait enforces the group's timeout and then aborts the communicator), collective
-// headers (reading one on the host would need a host synchronisation per call), and message sizes
-// checked between ranks (a mismatch is NCCL's undefined behaviour, not errc::mismatch).
+// the request's wait enforces the group's timeout, or reports NCCL's asynchronous error sooner,
+// and then aborts the communicator), collective headers (reading one on the host would need a
+// host synchronisation per call), and message sizes checked between ranks (a mismatch is NCCL's
+// undefined behaviour, not errc::mismatch).
 //
 //   auto comms = transport::nccl::communicator::init_all({0});          // one rank per listed GPU
 //   device::stream s;
@@ -36,15 +37,13 @@ namespace lockstep::transport {
 
 class nccl {
  public:
-  // Throws errc::transport naming the NCCL call and NCCL's own explanation.
+  // NCCL's own explanation of r; check throws it as errc::transport naming the NCCL call.
+  static std::string why(ncclResult_t r, ncclComm_t comm) {
+    const char* last = comm ? ncclGetLastError(comm) : nullptr;
+    return std::string(ncclGetErrorString(r)) + (last && *last ? std::string(": ") + last : std::string());
+  }
   static void check(ncclResult_t r, const char* what, int rank = -1, int peer = -1, ncclComm_t comm = nullptr) {
-    if (r == ncclSuccess || r == ncclInProgress) return;
-    std::string detail = ncclGetErrorString(r);
-    if (comm) {
-      const char* last = ncclGetLastError(comm);
-      if (last && *last) detail += std::string(": ") + last;
-    }
-    throw error(errc::transport, what, rank, peer, detail);
+    if (r != ncclSuccess && r != ncclInProgress) throw error(errc::transport, what, rank, peer, why(r, comm));
   }
 
   // A shared, owning handle of an ncclComm_t: destroyed when the last endpoint using it goes.
@@ -82,9 +81,7 @@ class nccl {
   static constexpr std::size_t segment_bytes = pipeline::whole_chunk;
 
   // Nothing travels with a request but where a receive lands: the stream holds the order.
-  struct request {
-    void* dst = nullptr;
-  };
+  struct request { void* dst = nullptr; };
 
   nccl() = default;
   nccl(communicator comm, cudaStream_t stream) : comm_(std::move(comm)), stream_(stream) {
@@ -121,6 +118,13 @@ class nccl {
 
   // Unblocks everything pending on the communicator; it cannot be used afterwards.
   void abort(const std::string&) { comm_.abort(); }
+
+  // NCCL's asynchronous error (a peer's connection closed): a request's wait polls it (concept.hpp).
+  std::string async_error() const {
+    ncclResult_t r = ncclSuccess;
+    if (!comm_.get() || ncclCommGetAsyncError(comm_.get(), &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return {};
+    return "NCCL reported an asynchronous error: " + why(r, comm_.get());
+  }
 
  private:
   void check_peer(int peer, const char* op) const {
