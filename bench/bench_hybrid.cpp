@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -155,6 +156,30 @@ float value(std::uint64_t seed, std::size_t i) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z ^= z >> 31;
   return static_cast<float>(static_cast<double>(z >> 11) * 0x1p-53 - 0.5) * 0.05f;
+}
+
+// The bench checks once per mode, after a step, that the step it times computes the head: a fast
+// but wrong path cannot be reported as fast. The reference is this rank's own, from weights every
+// rank can generate (rank k's slices are value(2 + 16 k, .) and value(3 + 16 k, .)): fp32 must
+// agree up to the order of summation; a lossy codec within a loose bound that still catches the
+// wiring (a wrong rank's rows, a partial sum missing: errors of the order of the values), not the
+// codecs' own bounds, which tests/ check.
+double check_tolerance(const std::string& codec_name) {
+  return codec_name == "fp32" ? 1e-4 : codec_name == "bf16" ? 2e-2 : 0.1;
+}
+
+void check_close(const std::string& mode, const char* what, int rank, const std::vector<float>& got,
+                 const std::vector<float>& ref, double tolerance) {
+  double scale = 0, err = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    scale = std::max(scale, static_cast<double>(std::fabs(ref[i])));
+    const double d = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    err = d == d ? std::max(err, d) : HUGE_VAL;  // NaN: fails
+  }
+  if (got.size() != ref.size() || !(err <= tolerance * scale))
+    throw std::runtime_error("self-check failed: " + mode + " on rank " + std::to_string(rank) + ": " + what +
+                             " is off the reference by " + std::to_string(scale > 0 ? err / scale : err) +
+                             " of its largest value (allowed " + std::to_string(tolerance) + ")");
 }
 
 struct row {
@@ -439,6 +464,30 @@ row run_dp(G& g, const options& o, C codec, const std::string& mode) {
     r.push_back(all_reduce_async(g, std::span<float>(g1), topology::ring{}, codec, reduce_op::average));
     for (auto& q : r) q.wait();
   };
+  if (!skip_products) {
+    // The averaged gradients of the last two layers, from every rank's forward on this rank.
+    step();
+    const int K = g.size();
+    std::vector<float> ref3(g3.size(), 0.0f), ref2(g2.size(), 0.0f), xr(x.size()), a1(h1.size()), a2(h2.size()), yr(y.size()),
+        e2(d2.size());
+    for (int k = 0; k < K; ++k) {
+      for (std::size_t i = 0; i < xr.size(); ++i) xr[i] = value(1 + k, i);
+      sgemm({false, false, B, H1, F, xr.data(), F, w1.data(), H1, 0, a1.data(), H1});
+      relu_fwd(a1.data(), a1.size());
+      sgemm({false, false, B, H2, H1, a1.data(), H1, w2.data(), H2, 0, a2.data(), H2});
+      relu_fwd(a2.data(), a2.size());
+      sgemm({false, false, B, NC, H2, a2.data(), H2, w3.data(), NC, 0, yr.data(), NC});
+      sgemm({true, false, H2, NC, B, a2.data(), H2, yr.data(), NC, 1, ref3.data(), NC});
+      sgemm({false, true, B, H2, NC, yr.data(), NC, w3.data(), NC, 0, e2.data(), H2});
+      relu_bwd(e2.data(), a2.data(), e2.size());
+      sgemm({true, false, H1, H2, B, a1.data(), H1, e2.data(), H2, 1, ref2.data(), H2});
+    }
+    for (auto& v : ref3) v /= static_cast<float>(K);
+    for (auto& v : ref2) v /= static_cast<float>(K);
+    const double tol = check_tolerance(mode.substr(mode.find('-') + 1));
+    check_close(mode, "the averaged gradient of the classifier", g.rank(), g3, ref3, tol);
+    check_close(mode, "the averaged gradient of fc2", g.rank(), g2, ref2, tol);
+  }
   return time_steps(g, o, step, mode);
 }
 
@@ -452,8 +501,9 @@ row run_hybrid(G& g, const options& o, C codec, const std::string& mode) {
   std::vector<float> x(B * F), w1(F * n), w2(n * H2), w3(H2 * NC), h2(B * H2), y(B * NC);
   std::vector<float> g1(F * n), g2(n * H2), g3(H2 * NC), d2(B * H2), dx(B * F), dh1;
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = value(1 + g.rank(), i);
-  for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = value(2, i);
-  for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = value(3, i);
+  const std::uint64_t me = static_cast<std::uint64_t>(g.rank());
+  for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = value(2 + 16 * me, i);  // this rank's slices
+  for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = value(3 + 16 * me, i);
   for (std::size_t i = 0; i < w3.size(); ++i) w3[i] = value(4, i);
   codec::fp32 c32;
   auto step = [&] {
@@ -473,6 +523,34 @@ row run_hybrid(G& g, const options& o, C codec, const std::string& mode) {
     fc1.backward(std::span<const float>(dh1), std::span<const float>(w1), std::span<float>(g1), std::span<float>(dx), sgemm);
     r.wait();
   };
+  if (!skip_products) {
+    // This rank's rows forward (fc2's output) and backward (fc1's dX), from every rank's slices and
+    // this rank's rows as they travelled (fc1.inputs(): a lossy codec's decoded image, which every
+    // rank multiplied; with the exact rows a ReLU whose input is near 0 would open on one side only).
+    step();
+    const int K = g.size();
+    const float* xq = fc1.inputs().data() + static_cast<std::size_t>(g.rank()) * B * F;
+    std::vector<float> ref_h2(h2.size(), 0.0f), ref_dx(dx.size(), 0.0f), w1k, w2k, a1, e1;
+    for (int k = 0; k < K; ++k) {
+      const auto [lo, hi] = chunk_range(o.H1, static_cast<std::size_t>(K), static_cast<std::size_t>(k));
+      const std::size_t nk = hi - lo;
+      if (nk == 0) continue;
+      w1k.resize(F * nk), w2k.resize(nk * H2), a1.resize(B * nk), e1.resize(B * nk);
+      for (std::size_t i = 0; i < w1k.size(); ++i) w1k[i] = value(2 + 16 * static_cast<std::uint64_t>(k), i);
+      for (std::size_t i = 0; i < w2k.size(); ++i) w2k[i] = value(3 + 16 * static_cast<std::uint64_t>(k), i);
+      sgemm({false, false, B, nk, F, xq, F, w1k.data(), nk, 0, a1.data(), nk});
+      relu_fwd(a1.data(), a1.size());
+      sgemm({false, false, B, H2, nk, a1.data(), nk, w2k.data(), H2, 1, ref_h2.data(), H2});
+      // d2 is this rank's own, computed locally in the step from h2 and the classifier
+      sgemm({false, true, B, nk, H2, d2.data(), H2, w2k.data(), H2, 0, e1.data(), nk});
+      relu_bwd(e1.data(), a1.data(), e1.size());
+      sgemm({false, true, B, F, nk, e1.data(), nk, w1k.data(), nk, 1, ref_dx.data(), F});
+    }
+    relu_fwd(ref_h2.data(), ref_h2.size());
+    const double tol = check_tolerance(mode.substr(mode.find('-') + 1));
+    check_close(mode, "fc2's output (this rank's rows)", g.rank(), h2, ref_h2, tol);
+    check_close(mode, "fc1's input gradient (this rank's rows)", g.rank(), dx, ref_dx, tol);
+  }
   return time_steps(g, o, step, mode);
 }
 
