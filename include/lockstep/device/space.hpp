@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <thread>
 #include <type_traits>
 
 #include "../core/space.hpp"
@@ -58,9 +59,10 @@ class cuda_space {
   void record(event& e) const { e.record(s_); }
   void wait(const event& e) const { check(cudaStreamWaitEvent(s_, e.get(), 0), "cudaStreamWaitEvent"); }
   static bool ready(const event& e) { return e.ready(); }
-  // cudaStreamSynchronize has no deadline; a stream stalled on a peer is unblocked by the
-  // transport's abort (ncclCommAbort), which the executor calls before it rethrows.
-  void drain(std::chrono::steady_clock::time_point) const noexcept { (void)cudaStreamSynchronize(s_); }
+  // Polled to the deadline: the transport's abort, called first, unblocks a stalled stream anyway.
+  void drain(std::chrono::steady_clock::time_point until) const noexcept {
+    while (cudaStreamQuery(s_) == cudaErrorNotReady && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  }
 
  private:
   cudaStream_t s_;

@@ -118,7 +118,6 @@ class nccl {
 
   // Unblocks everything pending on the communicator; it cannot be used afterwards.
   void abort(const std::string&) { comm_.abort(); }
-
   // NCCL's asynchronous error (a peer's connection closed): a request's wait polls it (concept.hpp).
   std::string async_error() const {
     ncclResult_t r = ncclSuccess;
