@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <latch>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
@@ -18,6 +19,7 @@
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep/transport/run_inproc.hpp"
+#include "failing_async.hpp"
 
 using namespace lockstep;
 using namespace std::chrono_literals;
@@ -54,6 +56,25 @@ std::vector<outcome> run(int n, F body) {
   return out;
 }
 
+// Rank `bad` failed on its own with `own` (its exception goes on, not a lockstep::error); every
+// other rank was aborted in its name at once, its message relaying `relayed`.
+void check_others_aborted(const std::vector<outcome>& out, int bad, const std::string& own, const std::string& relayed) {
+  for (int r = 0; r < static_cast<int>(out.size()); ++r) {
+    const auto& o = out[static_cast<std::size_t>(r)];
+    INFO("rank " << r << ": " << o.what);
+    CHECK(o.took < 1s);
+    if (r == bad) {
+      CHECK_FALSE(o.code);
+      CHECK(o.what == own);
+    } else {
+      REQUIRE(o.code);
+      CHECK(*o.code == errc::aborted);
+      CHECK(o.peer == bad);
+      CHECK_THAT(o.what, Catch::Contains("rank " + std::to_string(bad) + " failed") && Catch::Contains(relayed));
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("a failing rank stops every rank of the group at once, naming it", "[abort]") {
@@ -73,21 +94,7 @@ TEST_CASE("a failing rank stops every rank of the group at once, naming it", "[a
         all_reduce(g, std::span<float>(v), topology::ring{}, c, reduce_op::sum, ep);
       }
     });
-    for (int r = 0; r < n; ++r) {
-      const auto& o = out[static_cast<std::size_t>(r)];
-      INFO("rank " << r << ": " << o.what);
-      CHECK(o.took < 1s);
-      if (r == bad) {
-        CHECK_FALSE(o.code);
-        CHECK(o.what == "diverged at step 3");
-      } else {
-        REQUIRE(o.code);
-        CHECK(*o.code == errc::aborted);
-        CHECK(o.peer == bad);
-        CHECK_THAT(o.what, Catch::Contains("rank " + std::to_string(bad) + " failed") &&
-                               Catch::Contains("the epilogue threw: diverged at step 3"));
-      }
-    }
+    check_others_aborted(out, bad, "diverged at step 3", "the epilogue threw: diverged at step 3");
   }
   SECTION("a set-up that fails on one rank after the call began (its scratch cannot be allocated)") {
     // The codec's wire_bytes, which sizes the scratch, throws what a failed allocation throws: the
@@ -108,20 +115,7 @@ TEST_CASE("a failing rank stops every rank of the group at once, naming it", "[a
         all_reduce(g, std::span<float>(v), topology::ring{}, c);
       }
     });
-    for (int r = 0; r < n; ++r) {
-      const auto& o = out[static_cast<std::size_t>(r)];
-      INFO("rank " << r << ": " << o.what);
-      CHECK(o.took < 1s);
-      if (r == bad) {
-        CHECK_FALSE(o.code);
-        CHECK(o.what == std::bad_alloc().what());
-      } else {
-        REQUIRE(o.code);
-        CHECK(*o.code == errc::aborted);
-        CHECK(o.peer == bad);
-        CHECK_THAT(o.what, Catch::Contains("the set-up failed: " + std::string(std::bad_alloc().what())));
-      }
-    }
+    check_others_aborted(out, bad, std::bad_alloc().what(), std::string("the set-up failed: ") + std::bad_alloc().what());
   }
   SECTION("a mismatch seen by two ranks reaches the ranks that are not their neighbours") {
     const auto out = run(n, [&](inproc_group& g) {
@@ -350,19 +344,32 @@ TEST_CASE("a step whose post throws closes the transport's group", "[abort]") {
   }
 }
 
+using lockstep::testing::failing_async;
+
 namespace {
 
-// A stream-ordered transport that learns of a failure outside any call, as NCCL's proxy thread
-// does (ncclCommGetAsyncError): inproc_deferred, whose async_error() reports `failed` once set.
-class failing_async : public transport::inproc_deferred {
- public:
-  failing_async(transport::inproc_deferred t, const std::atomic<bool>* failed)
-      : transport::inproc_deferred(std::move(t)), failed_(failed) {}
-  std::string async_error() const { return failed_->load() ? "the connection to rank 1 was closed" : std::string(); }
-
- private:
-  const std::atomic<bool>* failed_;
-};
+// n ranks of failing_async (20 s timeout), rank 0's transport failing once `failed` is set.
+// Rank 0's stream is busy (a long kernel, 1.5 s) when body(g, stream, buffer) queues its call;
+// the buffers outlive what rank 0's stream still reads (a latch before the groups end).
+template <class F>
+void run_busy_rank_0(const std::shared_ptr<transport::inproc_deferred::world_type>& world, const std::atomic<bool>& failed, F body) {
+  const int n = world->size();
+  std::atomic<bool> never{false};
+  std::latch all_done(n);
+  transport::detail::run_ranks(n, *world, [&](int r) {
+    host_stream s(20s);
+    {
+      group_options o;
+      o.timeout = 20s;
+      group<failing_async> g(failing_async(transport::inproc_deferred(world, r, &s), r == 0 ? &failed : &never), o);
+      std::vector<float> v(4096, 1.0f);
+      if (r == 0) s.enqueue([] { std::this_thread::sleep_for(1500ms); });
+      body(g, s, v);
+      all_done.arrive_and_wait();
+    }
+    s.synchronize();
+  });
+}
 
 }  // namespace
 
@@ -372,44 +379,77 @@ class failing_async : public transport::inproc_deferred {
 TEST_CASE("a stream-ordered wait reports the transport's asynchronous error at once, after draining the stream", "[abort][stream]") {
   const int n = 3;
   auto world = transport::inproc_deferred::make_world(n);
-  std::atomic<bool> failed{false}, never{false}, tail_ran{false};
+  std::atomic<bool> failed{false}, tail_ran{false};
   std::vector<outcome> out(static_cast<std::size_t>(n));
   bool tail_ran_at_throw = false;
-  std::latch all_done(n);
-  transport::detail::run_ranks(n, *world, [&](int r) {
-    host_stream s(20s);
-    {
-      group_options o;
-      o.timeout = 20s;
-      group<failing_async> g(failing_async(transport::inproc_deferred(world, r, &s), r == 0 ? &failed : &never), o);
-      std::vector<float> v(4096, 1.0f);
-      codec::fp32 c;
-      auto& mine = out[static_cast<std::size_t>(r)];
-      // Rank 0's stream is busy (a long kernel) when the call is queued behind it.
-      if (r == 0) s.enqueue([] { std::this_thread::sleep_for(1500ms); });
-      const auto t0 = std::chrono::steady_clock::now();
-      try {
-        auto req = all_reduce_async(g, std::span<float>(v), topology::ring{}, c);
-        if (r == 0) {
-          s.enqueue([&] { tail_ran = true; });
-          failed = true;
-        }
-        req.wait();
-      } catch (const error& e) {
-        mine.code = e.code();
-        mine.what = e.what();
-        if (r == 0) tail_ran_at_throw = tail_ran.load();
+  run_busy_rank_0(world, failed, [&](group<failing_async>& g, host_stream& s, std::vector<float>& v) {
+    const int r = g.rank();
+    codec::fp32 c;
+    auto& mine = out[static_cast<std::size_t>(r)];
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      auto req = all_reduce_async(g, std::span<float>(v), topology::ring{}, c);
+      if (r == 0) {
+        s.enqueue([&] { tail_ran = true; });
+        failed = true;
       }
-      mine.took = std::chrono::steady_clock::now() - t0;
-      all_done.arrive_and_wait();  // the peers' buffers outlive what rank 0's stream still reads
+      req.wait();
+    } catch (const error& e) {
+      mine.code = e.code();
+      mine.what = e.what();
+      if (r == 0) tail_ran_at_throw = tail_ran.load();
     }
-    s.synchronize();
+    mine.took = std::chrono::steady_clock::now() - t0;
   });
   INFO("rank 0: " << out[0].what);
   REQUIRE(out[0].code);
   CHECK(*out[0].code == errc::transport);
   CHECK_THAT(out[0].what, Catch::Contains("the connection to rank 1 was closed") && Catch::Contains("on rank 0"));
   CHECK(tail_ran_at_throw);
-  CHECK(out[0].took < 10s);
   for (const auto& o : out) CHECK(o.took < 10s);
+}
+
+// wait_for reports the asynchronous error and does no more: no abort, no drain (its caller may
+// hold a lock an abort must not run without, and its d bounds it). wait() then does both.
+TEST_CASE("a stream-ordered wait_for reports the transport's asynchronous error and leaves the abort to its caller", "[abort][stream]") {
+  auto world = transport::inproc_deferred::make_world(2);
+  std::atomic<bool> failed{false}, tail_ran{false};
+  std::optional<errc> code, then_code;
+  bool tail_ran_at_throw = true, aborted_at_throw = true;
+  std::chrono::steady_clock::duration took{};
+  run_busy_rank_0(world, failed, [&](group<failing_async>& g, host_stream& s, std::vector<float>& v) {
+    codec::fp32 c;
+    auto req = all_reduce_async(g, std::span<float>(v), topology::ring{}, c);
+    if (g.rank() != 0) {
+      try {
+        req.wait();
+      } catch (const error&) {  // rank 0's abort may reach it
+      }
+      return;
+    }
+    s.enqueue([&] { tail_ran = true; });
+    failed = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      req.wait_for(10s);
+    } catch (const error& e) {
+      code = e.code();
+      tail_ran_at_throw = tail_ran.load();
+      aborted_at_throw = world->aborted();
+    }
+    took = std::chrono::steady_clock::now() - t0;
+    try {
+      req.wait();
+    } catch (const error& e) {
+      then_code = e.code();
+    }
+  });
+  REQUIRE(code);
+  CHECK(*code == errc::transport);
+  CHECK(took < 1s);  // not the 1.5 s the stream still holds
+  CHECK_FALSE(tail_ran_at_throw);
+  CHECK_FALSE(aborted_at_throw);
+  REQUIRE(then_code);
+  CHECK(*then_code == errc::transport);
+  CHECK(world->aborted());
 }

@@ -7,13 +7,15 @@
 //  - Error feedback per bucket index: a bucket that moves between two addresses every step gives
 //    the bits of error_feedback on one fixed buffer, step after step; a resized bucket is refused.
 //  - Failures: a size mismatch between ranks, and a peer that never calls, end as errors within
-//    the group's timeout, never a hang; the failure is sticky, as an aborted communicator is.
+//    the group's timeout, never a hang; the failure is sticky, as an aborted communicator is. The
+//    transport's asynchronous error (NCCL's) fails the engine at once, and its watcher aborts.
 #include <catch2/catch.hpp>
 
 #include <lockstep/transport/inproc_stream.hpp>
 #include <lockstep/transport/run_inproc.hpp>
 
 #include "../python/lockstep_torch/csrc/stream_engine.hpp"
+#include "failing_async.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -286,4 +288,48 @@ TEST_CASE("stream engine: a stream that stalls past the timeout is aborted by th
     REQUIRE_THAT(failure[r], Catch::StartsWith("allreduce_hook: "));
   }
   REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+}
+
+// The watcher's wait_for reports the transport's asynchronous error and leaves the abort to the
+// engine, which takes its call lock for it (request.hpp): the engine fails with the cause, at
+// once, and the group is aborted.
+TEST_CASE("stream engine: the transport's asynchronous error fails the engine, whose watcher aborts the group", "[stream_engine]") {
+  using async_group = ls::group<ls::testing::failing_async>;
+  auto world = ls::transport::inproc_deferred::make_world(2);
+  std::atomic<bool> failed{false}, never{false};
+  std::string what;
+  bool aborted = false;
+  std::chrono::steady_clock::duration took{};
+  ls::transport::detail::run_ranks(2, *world, [&](int r) {
+    // The bucket outlives the streams: the engine fails before its stream has run the call (as
+    // torch's caching allocator reuses a bucket only in the caller's stream order).
+    std::vector<float> x(256, 1.0f);
+    ls::host_stream group_stream(std::chrono::seconds(20)), torch_stream(std::chrono::seconds(20));
+    {
+      lockstep_torch::stream_engine<async_group> e(std::make_unique<async_group>(
+          ls::testing::failing_async(ls::transport::inproc_deferred(world, r, &group_stream), r == 0 ? &failed : &never), quick()));
+      // Rank 0's group stream is busy (a long kernel) when the bucket is queued behind it.
+      if (r == 0) group_stream.enqueue([] { std::this_thread::sleep_for(std::chrono::milliseconds(1500)); });
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        e.reduce_bucket(x, &torch_stream, codec_kind::fp32, topology_spec{}, -1);
+        if (r == 0) failed = true;
+        e.synchronize();
+      } catch (const ls::error& err) {
+        if (r == 0) what = err.what();
+      }
+      if (r == 0) took = std::chrono::steady_clock::now() - t0, aborted = world->aborted();
+    }
+    try {
+      torch_stream.synchronize();
+    } catch (...) {  // the engine's failure, reported above
+    }
+    try {
+      group_stream.synchronize();
+    } catch (...) {
+    }
+  });
+  CHECK_THAT(what, Catch::Contains("the connection to rank 1 was closed"));
+  CHECK(aborted);
+  CHECK(took < std::chrono::seconds(10));
 }

@@ -8,7 +8,12 @@
 //     enqueued the work: the request is an event recorded behind it, and wait() polls the event
 //     for at most the group's timeout, then aborts the transport (so the peers stop waiting too)
 //     and throws errc::timeout naming the collective. An error found while enqueueing (a peer
-//     that never posted its side, a size mismatch) is kept and rethrown by wait().
+//     that never posted its side, a size mismatch) is kept and rethrown by wait(). While it
+//     waits it polls the transport's asynchronous error (transport/concept.hpp, async_error:
+//     NCCL's), which ends the wait at once as errc::transport: wait() then aborts the transport
+//     and lets the stream finish what it holds (up to the timeout) before it throws; wait_for(d)
+//     only throws it, and leaves the abort to its caller (which may hold a lock that an abort
+//     must not run without: lockstep_torch's stream engine).
 #pragma once
 
 #include <algorithm>
@@ -91,6 +96,7 @@ struct stream_request final : pending {
   std::function<std::string()> async_error;
   // Waits, up to a deadline, for what the stream still holds of this call and of earlier ones.
   std::function<void()> drain;
+  bool async_failed = false;  // wait_until threw the transport's asynchronous error
 
   bool ready() override { return error || Space::ready(done); }
   bool wait_until(std::chrono::steady_clock::time_point deadline) override {
@@ -104,7 +110,10 @@ struct stream_request final : pending {
         continue;
       }
       if (async_error) {
-        if (std::string why = async_error(); !why.empty()) fail(errc::transport, why);
+        if (std::string why = async_error(); !why.empty()) {
+          async_failed = true;
+          throw lockstep::error(errc::transport, label, rank, -1, why);
+        }
       }
       std::this_thread::sleep_for(sleep = std::min(sleep * 2, std::chrono::microseconds(1000)));
     }
@@ -112,19 +121,24 @@ struct stream_request final : pending {
     return true;
   }
   void wait() override {
-    if (wait_until(deadline_after(timeout))) return;
-    fail(errc::timeout, "the stream did not finish within " + std::to_string(timeout.count()) +
-                            " ms (a peer that never posted its side stalls the stream)");
-  }
-
- private:
-  // Tell the peers, then let the stream finish before the error reaches code that may free the
-  // buffers its queued work still reads and writes (the abort unblocks that work: NCCL's kernels
-  // end, a deferred stream's waits on peers fail), as group::submit does when enqueueing fails.
-  [[noreturn]] void fail(errc code, const std::string& why) {
+    bool finished = false;
+    try {
+      finished = wait_until(deadline_after(timeout));
+    } catch (const lockstep::error& e) {
+      if (!async_failed) throw;
+      // The transport failed under the stream: the abort tells the peers and ends the work stuck
+      // on it (ncclCommAbort ends NCCL's kernels); then the stream finishes what it holds before
+      // the error reaches code that may free the buffers that work writes (as group::submit does
+      // when enqueueing fails).
+      if (abort) abort(e.what());
+      if (drain) drain();
+      throw;
+    }
+    if (finished) return;
+    const std::string why = "the stream did not finish within " + std::to_string(timeout.count()) +
+                            " ms (a peer that never posted its side stalls the stream)";
     if (abort) abort(why);
-    if (drain) drain();
-    throw lockstep::error(code, label, rank, -1, why);
+    throw lockstep::error(errc::timeout, label, rank, -1, why);
   }
 };
 

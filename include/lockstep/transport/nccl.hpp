@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "../core/error.hpp"
-#include "../device/runtime.hpp"
 #include "../collective/pipeline.hpp"
 #include "../device/space.hpp"
 #include "concept.hpp"
@@ -118,16 +117,17 @@ class nccl {
 
   // Unblocks everything pending on the communicator; it cannot be used afterwards.
   void abort(const std::string&) { comm_.abort(); }
-  // NCCL's asynchronous error (a peer's connection closed): a request's wait polls it (concept.hpp).
+  // NCCL's asynchronous error (a peer's connection closed), polled by a request's wait; comm read once.
   std::string async_error() const {
     ncclResult_t r = ncclSuccess;
-    if (!comm_.get() || ncclCommGetAsyncError(comm_.get(), &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return {};
-    return "NCCL reported an asynchronous error: " + why(r, comm_.get());
+    if (const ncclComm_t c = comm_.get(); c && ncclCommGetAsyncError(c, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress)
+      return "NCCL reported an asynchronous error: " + why(r, c);
+    return {};
   }
 
  private:
   void check_peer(int peer, const char* op) const {
-    if (!comm_.get()) throw error(errc::invalid_argument, op, rank_, peer, "endpoint without a communicator (aborted?)");
+    if (!comm_.get()) throw error(errc::aborted, op, rank_, peer, "the communicator was aborted, or never made");
     if (peer < 0 || peer >= size_)
       throw error(errc::invalid_argument, op, rank_, peer, "peer out of range for a group of " + std::to_string(size_));
   }

@@ -187,7 +187,11 @@ class stream_engine {
           g_->abort(why);
         }
       } catch (const std::exception& e) {
+        // The call's own error, or the transport's asynchronous one (request.hpp: wait_for
+        // reports it and leaves the abort to us): the group is aborted as for a timeout.
         why = e.what();
+        std::lock_guard call(call_m_);
+        g_->abort(why);
       }
       lk.lock();
       if (!why.empty() && failure_.empty()) failure_ = p.label + ": " + why;
