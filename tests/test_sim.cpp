@@ -63,6 +63,9 @@ double closed(const sim::cluster& cl, const sim::codec_model& c, int size, std::
 
 }  // namespace
 
+// The model's handshake is the executor's header, byte for byte.
+static_assert(lockstep::sim::header_bytes == sizeof(lockstep::detail::wire_header));
+
 TEST_CASE("simulator equals the closed form on contention-free links", "[sim]") {
   const bool torus = GENERATE(false, true);
   const bool send_ahead = GENERATE(false, true);

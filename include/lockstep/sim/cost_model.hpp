@@ -164,9 +164,10 @@ struct cost_terms {
   }
 };
 
-// The executor's handshake: one header to each peer before a lossy codec's first encode (64
-// bytes, one alpha); fp32's first step is sent beside the headers and pays none.
-inline constexpr std::size_t header_bytes = 64;
+// The executor's handshake: one header to each peer before a lossy codec's first encode (56
+// bytes, sizeof(detail::wire_header), which tests/test_sim.cpp holds it to; one alpha); fp32's
+// first step is sent beside the headers and pays none.
+inline constexpr std::size_t header_bytes = 56;
 
 namespace detail {
 // One ring phase pair over a span of `elems` values cut into n parts of `part` values each (all
