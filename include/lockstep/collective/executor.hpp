@@ -261,13 +261,15 @@ class schedule_run {
     seq_ = g_.next_sequence();
     // From here on the peers count this call as begun: whatever stops this rank, a failed scratch
     // allocation in the set-up included, must reach them (an abort), or they wait out the timeout.
-    bool set_up = false;
+    // What failed, for a failure that is not lockstep's own error (told to the peers below).
+    const char* stage = "the set-up failed";
     try {
       lay_out_wire();
       mark_final_copies();
       mark_forwards();
-      set_up = true;
+      stage = "posting the headers failed";
       post_headers();
+      stage = "the epilogue threw";
       if (op_.kind == op_kind::broadcast && rank_ == op_.root) finalize_broadcast_root();
       const std::size_t final_at = owns() ? pipeline::finalize_step(s_) : s_.steps.size() + 1;
       for (std::size_t si = 0; si < s_.steps.size(); ++si) {
@@ -292,11 +294,10 @@ class schedule_run {
       // The epilogue's own failure (an optimizer's check, the user's callback), or the set-up's
       // (std::bad_alloc for the scratch): the peers are told the same way, and the exception goes
       // on unchanged.
-      t_.abort(op_.label + " on rank " + std::to_string(rank_) + (set_up ? ": the epilogue threw: " : ": the set-up failed: ") +
-               e.what());
+      t_.abort(op_.label + " on rank " + std::to_string(rank_) + ": " + stage + ": " + e.what());
       throw;
     } catch (...) {
-      t_.abort(op_.label + " on rank " + std::to_string(rank_) + (set_up ? ": the epilogue threw" : ": the set-up failed"));
+      t_.abort(op_.label + " on rank " + std::to_string(rank_) + ": " + stage);
       throw;
     }
   }

@@ -59,9 +59,10 @@ class cuda_space {
   void record(event& e) const { e.record(s_); }
   void wait(const event& e) const { check(cudaStreamWaitEvent(s_, e.get(), 0), "cudaStreamWaitEvent"); }
   static bool ready(const event& e) { return e.ready(); }
-  // Polled to the deadline: the transport's abort, called first, unblocks a stalled stream anyway.
+  // Polled every 100 us to the deadline; the transport's abort, called first, unblocks a stalled stream.
   void drain(std::chrono::steady_clock::time_point until) const noexcept {
-    while (cudaStreamQuery(s_) == cudaErrorNotReady && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    while (cudaStreamQuery(s_) == cudaErrorNotReady && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 
  private:

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <utility>
@@ -49,11 +50,11 @@ class nccl {
   class communicator {
    public:
     communicator() = default;
-    explicit communicator(ncclComm_t c)
-        : c_(new ncclComm_t(c), [](ncclComm_t* p) { if (*p) ncclCommDestroy(*p); delete p; }) {}
-    ncclComm_t get() const noexcept { return c_ ? *c_ : nullptr; }
+    explicit communicator(ncclComm_t c) : c_(new std::atomic<ncclComm_t>(c), destroy) {}
+    ncclComm_t get() const noexcept { return c_ ? c_->load() : nullptr; }
     // ncclCommAbort instead of the destroy: frees the communicator and unblocks its pending work.
-    void abort() { if (get()) ncclCommAbort(std::exchange(*c_, nullptr)); }
+    // Taken by an exchange: of aborts from several threads (a watcher's, a call's), one frees it.
+    void abort() { if (const ncclComm_t c = c_ ? c_->exchange(nullptr) : nullptr) ncclCommAbort(c); }
 
     // One communicator per listed device, all in this process (ncclCommInitAll). NCCL needs
     // distinct GPUs per rank, so several ranks on one GPU are inproc_device's job, not NCCL's.
@@ -73,7 +74,8 @@ class nccl {
     }
 
    private:
-    std::shared_ptr<ncclComm_t> c_;  // holds null once aborted
+    static void destroy(std::atomic<ncclComm_t>* p) { if (const ncclComm_t c = p->load()) ncclCommDestroy(c); delete p; }
+    std::shared_ptr<std::atomic<ncclComm_t>> c_;  // holds null once aborted
   };
 
   using space_type = device::cuda_space;
@@ -110,10 +112,7 @@ class nccl {
   bool wait(request&, clock::time_point) { return true; }
   // The bytes land in the receive's buffer; fn's kernels run behind the group that fills it.
   template <class F>
-  bool consume(request& r, clock::time_point, F&& fn) {
-    fn(static_cast<const std::byte*>(r.dst));
-    return true;
-  }
+  bool consume(request& r, clock::time_point, F&& fn) { fn(static_cast<const std::byte*>(r.dst)); return true; }
 
   // Unblocks everything pending on the communicator; it cannot be used afterwards.
   void abort(const std::string&) { comm_.abort(); }
