@@ -7,6 +7,7 @@
 #include "thread_safe_catch.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -845,4 +846,196 @@ TEST_CASE("a bad LOCKSTEP_TOPOLOGY fails an asynchronous call from its wait(), n
   };
   check([](int n, auto&& f) { run_inproc(n, f); });
   check([](int n, auto&& f) { run_inproc_deferred(n, f); });
+}
+
+// all_gather_v and reduce_scatter_v are predicted as they cut the buffer: a skewed layout is not
+// the equal chunks of its total (a rank holding everything makes the ring's all-gather pass its
+// one chunk N - 1 hops, where recursive doubling's passes it log2 N). Each layout has its own
+// cached choice, and through the collectives the call's layout is the one predicted.
+// On a link whose pairwise exchanges get 70% of the bandwidth (TCP's two-way traffic: netlab
+// measures 0.6..0.7, docs/scaling.md), equal parts go one way round the ring; one rank holding
+// everything is then cheaper in two exchanges of the whole (torus2d's 2x2) than in three ring hops.
+automatic tcp_like() {
+  automatic a;  // the simulator's defaults: 25 us, 1 Gbit/s
+  a.link.exchange_efficiency = 0.7;
+  return a;
+}
+
+TEST_CASE("per-rank counts are predicted as the call cuts the buffer", "[automatic]") {
+  const automatic a = tcp_like();
+  codec::fp32 c;
+  const std::size_t seg = std::size_t{1} << 20;
+  int changed = 0;
+  for (int n : {4, 8})
+    for (operation op : {operation::all_gather, operation::reduce_scatter})
+      for (std::size_t per : {std::size_t{256}, std::size_t{4096}, std::size_t{1} << 16, std::size_t{1} << 18}) {
+        const std::size_t total = per * static_cast<std::size_t>(n);
+        // Everything on one rank, each in turn.
+        for (int holder = 0; holder < n; ++holder) {
+          std::vector<std::size_t> counts(static_cast<std::size_t>(n), 0);
+          counts[static_cast<std::size_t>(holder)] = total;
+          const detail::chunk_layout l = detail::chunk_layout::from_counts(counts);
+          const auto skewed = a.explain(op, n, total, c, seg, false, l.offsets);
+          const auto equal = a.explain(op, n, total, c, seg);
+          REQUIRE(skewed.size() == equal.size());
+          bool differs = false;
+          for (std::size_t i = 0; i < skewed.size(); ++i) differs = differs || skewed[i].predicted_s != equal[i].predicted_s;
+          CHECK(differs);
+          // The choice is explain()'s pick for the layout, cached apart from the equal one's.
+          const choice p = a.choose(op, n, total, c, seg, false, -1, l.offsets, l.id);
+          const choice q = a.choose(op, n, total, c, seg);
+          const choice& ps = skewed[automatic::pick(skewed, a.segment_margin)];
+          const choice& qs = equal[automatic::pick(equal, a.segment_margin)];
+          CHECK((p.kind == ps.kind && p.segment_bytes == ps.segment_bytes && p.predicted_s == ps.predicted_s));
+          CHECK((q.kind == qs.kind && q.segment_bytes == qs.segment_bytes && q.predicted_s == qs.predicted_s));
+          CHECK(a.choose(op, n, total, c, seg, false, -1, l.offsets, l.id).predicted_s == p.predicted_s);
+          changed += p.kind != q.kind;
+        }
+      }
+  INFO("layouts whose choice differs from their equal chunks': " << changed);
+  CHECK(changed > 0);
+  // A fingerprint that collides with another layout's is not served that layout's choice.
+  {
+    const std::vector<std::size_t> skew{0, 0, 0, std::size_t{1} << 20}, even{0, std::size_t{1} << 18, std::size_t{1} << 19,
+                                                                           3 * (std::size_t{1} << 18), std::size_t{1} << 20};
+    const auto lay = detail::chunk_layout::from_counts(skew);
+    const choice p = a.choose(operation::all_gather, 4, std::size_t{1} << 20, c, seg, false, -1, lay.offsets, 7);
+    const choice q = a.choose(operation::all_gather, 4, std::size_t{1} << 20, c, seg, false, -1, even, 7);
+    const auto e = a.explain(operation::all_gather, 4, std::size_t{1} << 20, c, seg, false, even);
+    CHECK(q.predicted_s == e[automatic::pick(e, a.segment_margin)].predicted_s);
+    (void)p;
+  }
+  // Offsets that are not one part per rank of the count, or for an operation without them.
+  // Each wrong in one way only: too few, ending short of the count, not starting at 0, falling.
+  const std::vector<std::size_t> four{0, 4, 8, 12, 16}, three{0, 8, 16}, short_end{0, 4, 8, 12, 15},
+      late_start{1, 4, 8, 12, 16}, falling{0, 8, 4, 12, 16}, empty_parts{0, 0, 16, 16, 16};
+  CHECK_THROWS_WITH(a.explain(operation::all_gather, 4, 16, c, seg, false, three), Catch::Contains("3 offsets"));
+  CHECK_THROWS_WITH(a.explain(operation::all_gather, 4, 16, c, seg, false, short_end), Catch::Contains("to 15"));
+  CHECK_THROWS_WITH(a.explain(operation::all_gather, 4, 16, c, seg, false, late_start), Catch::Contains("from 1 "));
+  CHECK_THROWS_AS(a.explain(operation::reduce_scatter, 4, 16, c, seg, false, falling), error);
+  CHECK_THROWS_WITH(a.explain(operation::all_reduce, 4, 16, c, seg, false, four), Catch::Contains("not all_reduce"));
+  CHECK_THROWS_WITH(a.explain(operation::broadcast, 4, 16, c, seg, false, four), Catch::Contains("not all_reduce or broadcast"));
+  CHECK_NOTHROW(a.explain(operation::all_gather, 4, 16, c, seg, false, four));
+  CHECK_NOTHROW(a.explain(operation::reduce_scatter, 4, 16, c, seg, false, empty_parts));  // ranks with none
+}
+
+// Through the collectives: reduce_scatter_v over automatic runs the topology chosen for its
+// layout, not the one its total would get as equal chunks. A layout where the two choices differ,
+// and inputs whose sums round differently in another order, so that the other topology's bits
+// would show; all_gather_v beside it (every topology copies the same bits: it checks the call).
+TEST_CASE("reduce_scatter_v and all_gather_v through automatic run the layout's choice", "[automatic]") {
+  const int n = 4;
+  const automatic a = tcp_like();
+  std::mutex m;
+  std::vector<std::string> failures;
+  std::vector<std::size_t> found;  // the counts searched out (rank 0's)
+  run_inproc(n, [&](auto& g) {
+    codec::fp32 c;
+    const std::size_t seg = g.segment_bytes();
+    // The first skewed layout whose choice differs from its total's as equal chunks.
+    std::vector<std::size_t> counts;
+    choice p{}, q{};
+    for (std::size_t per : {std::size_t{256}, std::size_t{4096}, std::size_t{1} << 16, std::size_t{1} << 18}) {
+      for (int holder = 0; holder < n && counts.empty(); ++holder) {
+        std::vector<std::size_t> k(static_cast<std::size_t>(n), 0);
+        k[static_cast<std::size_t>(holder)] = per * n;
+        const auto l = detail::chunk_layout::from_counts(k);
+        p = a.choose(operation::reduce_scatter, n, per * n, c, seg, false, g.rank(), l.offsets, l.id);
+        q = a.choose(operation::reduce_scatter, n, per * n, c, seg);
+        if (p.kind != q.kind) counts = k;
+      }
+      if (!counts.empty()) break;
+    }
+    if (g.rank() == 0) found = counts;
+    if (counts.empty()) return;
+    std::size_t total = 0;
+    for (std::size_t k : counts) total += k;
+    const auto lay = detail::chunk_layout::from_counts(counts);
+    // Magnitudes from 2^-12 to 2^12 with signs: a sum's bits depend on its order.
+    std::vector<float> in(total);
+    for (std::size_t i = 0; i < total; ++i) {
+      const std::uint32_t h = static_cast<std::uint32_t>((i * 2654435761u) ^ (static_cast<std::uint32_t>(g.rank()) * 40503u));
+      in[i] = std::ldexp(1.0f + static_cast<float>(h % 1000) / 1000.0f, static_cast<int>(h % 25) - 12) * ((h >> 7) & 1 ? -1.0f : 1.0f);
+    }
+    auto run = [&](auto&& topo) {
+      std::vector<float> x = in;
+      reduce_scatter_v_inplace(g, std::span<float>(x), counts, topo, c);
+      return x;
+    };
+    const std::vector<float> via_auto = run(a);
+    std::vector<float> via_p, via_q;
+    automatic::visit(p.kind, [&](const auto& topo) { via_p = run(topo); });
+    automatic::visit(q.kind, [&](const auto& topo) { via_q = run(topo); });
+    const std::size_t lo = lay.offsets[static_cast<std::size_t>(g.rank())], hi = lay.offsets[static_cast<std::size_t>(g.rank()) + 1];
+    auto same = [&](const std::vector<float>& u, const std::vector<float>& v) {
+      return hi == lo || std::memcmp(u.data() + lo, v.data() + lo, (hi - lo) * sizeof(float)) == 0;
+    };
+    // all_gather_v through automatic on the same layout: every rank ends with every rank's part.
+    std::vector<float> x(total, -1.0f);
+    for (std::size_t i = lo; i < hi; ++i) x[i] = static_cast<float>(g.rank() * 100000 + static_cast<int>(i % 1000));
+    all_gather_v_inplace(g, std::span<float>(x), counts, a, c);
+    bool gathered = true;
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = lay.offsets[static_cast<std::size_t>(r)]; i < lay.offsets[static_cast<std::size_t>(r) + 1]; ++i)
+        gathered = gathered && x[i] == static_cast<float>(r * 100000 + static_cast<int>(i % 1000));
+    std::lock_guard lk(m);
+    if (!same(via_auto, via_p))
+      failures.push_back("rank " + std::to_string(g.rank()) + ": automatic's sums are not " + p.name() + "'s");
+    // The holder's sums tell the two choices apart (the check above could not fail otherwise).
+    if (hi > lo && same(via_p, via_q))
+      failures.push_back("rank " + std::to_string(g.rank()) + ": " + p.name() + " and " + q.name() + " summed alike");
+    if (!gathered) failures.push_back("rank " + std::to_string(g.rank()) + ": all_gather_v through automatic is wrong");
+  });
+  INFO("no skewed layout of 4 ranks chose apart from its equal chunks");
+  REQUIRE(!found.empty());
+  for (const auto& f : failures) FAIL_CHECK(f);
+}
+
+// A rank handed other per-rank counts than its peers may choose another topology for them; the
+// call still fails at once, on every rank, naming the counts (the headers' first check), not at
+// the group's timeout. Rank 0's layout is one whose choice differs from the others' equal parts.
+TEST_CASE("automatic with per-rank counts that differ on one rank fails at once with a mismatch", "[automatic]") {
+  const int n = 4;
+  const automatic a = tcp_like();
+  std::mutex m;
+  std::vector<std::string> what;
+  group_options opt;
+  opt.timeout = std::chrono::seconds(20);
+  const auto t0 = std::chrono::steady_clock::now();
+  bool chose_apart = false;
+  run_inproc(
+      n,
+      [&](auto& g) {
+        codec::fp32 c;
+        const std::size_t per = std::size_t{1} << 16, total = per * n;
+        std::vector<std::size_t> equal(static_cast<std::size_t>(n), per), skewed(static_cast<std::size_t>(n), 0);
+        skewed.back() = total;
+        const auto& counts = g.rank() == 0 ? skewed : equal;
+        if (g.rank() == 0) {
+          const auto ls = detail::chunk_layout::from_counts(skewed), le = detail::chunk_layout::from_counts(equal);
+          chose_apart = a.choose(operation::reduce_scatter, n, total, c, g.segment_bytes(), false, 0, ls.offsets, ls.id).kind !=
+                        a.choose(operation::reduce_scatter, n, total, c, g.segment_bytes(), false, 0, le.offsets, le.id).kind;
+        }
+        std::vector<float> x(total, 1.0f);
+        try {
+          reduce_scatter_v_inplace(g, std::span<float>(x), counts, a, c);
+          std::lock_guard lk(m);
+          what.push_back("rank " + std::to_string(g.rank()) + " finished");
+        } catch (const error& e) {
+          std::lock_guard lk(m);
+          what.push_back(e.what());
+        }
+      },
+      opt);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(chose_apart);  // torus2d for rank 0's layout, the ring for the others'
+  REQUIRE(what.size() == static_cast<std::size_t>(n));
+  bool named = false;
+  for (const auto& w : what) {
+    INFO(w);
+    CHECK(w.find("finished") == std::string::npos);
+    named = named || w.find("per-rank counts differ") != std::string::npos;
+  }
+  CHECK(named);
+  CHECK(took < 5.0);
 }

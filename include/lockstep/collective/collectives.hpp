@@ -99,7 +99,9 @@ auto call(op_kind kind, G& g, std::span<float> buf, const T& topo, C& codec, red
     std::remove_cvref_t<decltype(topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank()))> pick{};
     std::exception_ptr failed;
     try {
-      pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank());
+      // Per-rank counts (all_gather_v, reduce_scatter_v) are predicted as the call cuts the buffer.
+      pick = topo.choose(op, g.size(), buf.size(), codec, g.segment_bytes(), G::ordered, g.rank(),
+                         std::span<const std::size_t>(layout.offsets), layout.id);
     } catch (...) {
       failed = std::current_exception();
     }

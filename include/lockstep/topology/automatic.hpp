@@ -30,21 +30,32 @@
 // group (NCCL, inproc_stream) the simulator posts a step's sends at once and exchanges no headers,
 // as the executor does there.
 //
-// Choices are cached per (operation, group size, count, codec, segment of the group, stream
-// order) in a table the copies of one automatic share, so a training loop's buckets pay the
-// simulation once. The collectives choose as a call is issued, on the issuing thread. Cost of a
+// Per-rank counts (all_gather_v, reduce_scatter_v) are simulated as the call cuts its buffer, on
+// groups of up to per_rank_max_ranks; a layout that is not one part per rank is the call's error.
+// Each new layout is a miss (counts that change every call pay a simulation every call), and
+// ranks handed different counts may choose different topologies: as for ranks handed different
+// counts of any call, their headers then disagree (per-rank counts first), and the rank that reads
+// a peer's aborts the group; where the two schedules share no edge that one reads, the call ends
+// at the group's timeout instead.
+//
+// Choices are cached per (operation, group size, count, per-rank counts, codec, segment of the
+// group, stream order) in a table the copies of one automatic share, so a training loop's buckets
+// pay the simulation once. The collectives choose as a call is issued, on the issuing thread. Cost of a
 // miss: a few simulations of every rank's schedule, growing with the count's segments: 7 ms at 8
 // ranks and 64 MiB per rank, 50..65 ms at 63..64 ranks and 64 MiB, 0.6..0.9 s at 63..64 ranks
 // and 1 GiB, of which direct (offered where calibration measured it fastest in the bulk tier)
 // takes about 0.4 s (`lockstep-sim --explain`, Intel Xeon VM, 2026-12-06, with a build beside).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -131,6 +142,10 @@ struct automatic {
   // compress to no runs, so a count the ranks do not divide evenly (no symmetric shortcut) runs
   // every rank's N - 1 fans in full, about 3 s at 1024 ranks.
   static constexpr int direct_max_ranks = 64;
+  // Up to this group size a call with per-rank counts is simulated with them; above, as equal
+  // chunks of the same total, cached once per total: each new layout is a miss, and a miss on
+  // hundreds of ranks costs the issuing thread a second or more.
+  static constexpr int per_rank_max_ranks = 64;
 
   // Whether direct is among a call's candidates.
   bool offers_direct(operation op, int size, std::size_t count, bool stream_ordered) const noexcept {
@@ -189,24 +204,30 @@ struct automatic {
   }
 
   // Every candidate for this call, in the order they are compared, each with its predicted time.
+  //
+  // offsets: where the call has per-rank counts (all_gather_v, reduce_scatter_v), rank r's part of
+  // the count is [offsets[r], offsets[r + 1]) (size + 1 of them, ending at count); empty: equal parts.
   template <codec::codec C>
   std::vector<choice> explain(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
-                              bool stream_ordered = false) const {
+                              bool stream_ordered = false, std::span<const std::size_t> offsets = {}) const {
     // Error feedback is each rank's own choice over the same wire format (codec/error_feedback.hpp),
     // which the header does not check: a rank with it and a rank without must choose alike, so
     // both are modelled as the inner codec (its measured gamma; the residual's extra passes are
     // not charged).
     if constexpr (requires { codec.inner(); requires codec::feedback_codec<C>; })
-      return explain(op, size, count, codec.inner(), group_segment, stream_ordered);
+      return explain(op, size, count, codec.inner(), group_segment, stream_ordered, offsets);
     const auto it = rates.find(std::string(codec.name()));
     return explain(op, size, count, sim::model_of(codec, it == rates.end() ? sim::codec_rates{} : it->second),
-                   group_segment, stream_ordered);
+                   group_segment, stream_ordered, offsets);
   }
   // The same for a codec the simulator knows by its model (lockstep-sim --explain): its own rates,
   // or cache_rates' entry for it on a call in cache.
   std::vector<choice> explain(operation op, int size, std::size_t count, sim::codec_model model,
-                              std::size_t group_segment, bool stream_ordered = false) const {
+                              std::size_t group_segment, bool stream_ordered = false,
+                              std::span<const std::size_t> offsets = {}) const {
     validate(size);
+    check_offsets(op, size, count, offsets);
+    if (size > per_rank_max_ranks) offsets = {};
     if (in_cache(count))
       if (const auto it = cache_rates.find(model.name); it != cache_rates.end()) model.rates = it->second;
     std::vector<std::size_t> segs{group_segment};
@@ -227,7 +248,7 @@ struct automatic {
           cl.send_ahead = true;
           cl.handshake = false;
         }
-        const double t = visit(k, [&](const auto& topo) { return predict(cl, model, topo, op, size, count); });
+        const double t = visit(k, [&](const auto& topo) { return predict(cl, model, topo, op, size, count, offsets); });
         out.push_back({k, s == group_segment ? 0 : s, t});
       }
     }
@@ -256,43 +277,63 @@ struct automatic {
   // The choice for this call: forced by LOCKSTEP_TOPOLOGY, else the fastest prediction. `rank`
   // names the caller in an error. A cached choice costs no allocation: small all-reduces (batch
   // norm's statistics, LARS's norms) take a few microseconds, and the choice is on their path.
+  // offsets as for explain(), and layout_id a fingerprint of them (0 for none: the cache's key;
+  // the offsets themselves are compared on a hit).
   template <codec::codec C>
   choice choose(operation op, int size, std::size_t count, const C& codec, std::size_t group_segment,
-                bool stream_ordered = false, int rank = -1) const {
+                bool stream_ordered = false, int rank = -1, std::span<const std::size_t> offsets = {},
+                std::uint64_t layout_id = 0) const {
     if (auto f = forced(rank)) return {*f, 0, 0};
     if (size < 1) throw error(errc::invalid_argument, "automatic", rank, -1, "group size " + std::to_string(size));
     if (size == 1) return {choice::ring, 0, 0};
     if constexpr (requires { codec.inner(); requires codec::feedback_codec<C>; })  // as explain() above
-      return choose(op, size, count, codec.inner(), group_segment, stream_ordered, rank);
+      return choose(op, size, count, codec.inner(), group_segment, stream_ordered, rank, offsets, layout_id);
+    if (size > per_rank_max_ranks) offsets = {}, layout_id = 0;  // predicted as equal parts (explain)
+    if (offsets.empty()) layout_id = 0;
     // A codec's name may be a std::string made by the call (error_feedback of a codec with a
     // run-time name): kept alive here, as the view below reads it.
     const auto name_storage = codec.name();
     const std::string_view name = name_storage;
-    const key k{op, size, count, codec.id(), group_segment, stream_ordered};
+    const key k{op, size, count, codec.id(), group_segment, stream_ordered, layout_id};
     {
       std::lock_guard lk(cache_->m);
-      // The codec's id is a 32-bit fingerprint: the name rules out another codec's colliding one.
-      if (auto it = cache_->table.find(k); it != cache_->table.end() && it->second.first == name) return it->second.second;
+      // The codec's id is a 32-bit fingerprint: the name rules out another codec's colliding one;
+      // and the offsets, another layout's colliding fingerprint.
+      if (auto it = cache_->table.find(k); it != cache_->table.end() && it->second.codec == name && it->second.same_layout(offsets))
+        return it->second.pick;
     }
-    const std::vector<choice> all = explain(op, size, count, codec, group_segment, stream_ordered);
+    const std::vector<choice> all = explain(op, size, count, codec, group_segment, stream_ordered, offsets);
     const choice best = all[pick(all, segment_margin)];
     std::lock_guard lk(cache_->m);
     if (cache_->table.size() >= max_cached) cache_->table.clear();
-    cache_->table.insert_or_assign(k, std::pair{std::string(name), best});
+    cache_->table.insert_or_assign(k, entry{std::string(name), {offsets.begin(), offsets.end()}, best});
     return best;
   }
 
  private:
+  // Per-rank counts belong to the two operations that have them, one part per rank, covering count.
+  static void check_offsets(operation op, int size, std::size_t count, std::span<const std::size_t> offsets) {
+    if (offsets.empty()) return;
+    auto bad = [](const std::string& why) { return error(errc::invalid_argument, "automatic", -1, -1, why); };
+    if (op != operation::reduce_scatter && op != operation::all_gather)
+      throw bad("per-rank counts are for reduce_scatter and all_gather, not all_reduce or broadcast");
+    if (offsets.size() != static_cast<std::size_t>(size) + 1 || offsets.front() != 0 || offsets.back() != count ||
+        !std::ranges::is_sorted(offsets))
+      throw bad(std::to_string(offsets.size()) + " offsets from " + std::to_string(offsets.front()) + " to " +
+                std::to_string(offsets.back()) + ": want " + std::to_string(size + 1) + ", rising from 0 to the count " +
+                std::to_string(count));
+  }
+
   template <class T>
   static double predict(const sim::cluster& cl, const sim::codec_model& model, const T& topo, operation op, int size,
-                        std::size_t count) {
+                        std::size_t count, std::span<const std::size_t> offsets) {
     sim::simulator s(cl, model);
     switch (op) {
       case operation::all_reduce: return s.all_reduce(topo, size, count).time_s;
       case operation::reduce_scatter:
-        return s.run(size, count, [&](int r) { return topo.reduce_scatter(r, size); }, false).time_s;
+        return s.run(size, count, [&](int r) { return topo.reduce_scatter(r, size); }, false, offsets).time_s;
       case operation::all_gather:
-        return s.run(size, count, [&](int r) { return topo.all_gather(r, size); }, true).time_s;
+        return s.run(size, count, [&](int r) { return topo.all_gather(r, size); }, true, offsets).time_s;
       case operation::broadcast:
         return s.run(size, count, [&](int r) { return broadcast_schedule(topo, 0, r, size); }, false).time_s;
     }
@@ -310,11 +351,23 @@ struct automatic {
                     ": not ring, torus2d, halving_doubling, recursive_doubling, direct or automatic");
   }
 
-  // (operation, group size, count, codec id, group segment, stream-ordered) -> (codec name, choice)
-  using key = std::tuple<operation, int, std::size_t, std::uint32_t, std::size_t, bool>;
+  // (operation, group size, count, codec id, group segment, stream-ordered, layout id) -> entry
+  using key = std::tuple<operation, int, std::size_t, std::uint32_t, std::size_t, bool, std::uint64_t>;
+  struct entry {
+    std::string codec;                 // the codec's name
+    std::vector<std::size_t> offsets;  // the per-rank counts' offsets (empty: equal parts)
+    choice pick;
+    // A loop, not std::ranges::equal: GCC 12 warns of a null memcmp argument for two empty ranges.
+    bool same_layout(std::span<const std::size_t> o) const noexcept {
+      if (o.size() != offsets.size()) return false;
+      for (std::size_t i = 0; i < o.size(); ++i)
+        if (o[i] != offsets[i]) return false;
+      return true;
+    }
+  };
   struct cache {
     std::mutex m;
-    std::map<key, std::pair<std::string, choice>> table;
+    std::map<key, entry> table;
   };
   static constexpr std::size_t max_cached = 4096;
   std::shared_ptr<cache> cache_ = std::make_shared<cache>();
