@@ -287,33 +287,41 @@ std::vector<contender> lockstep_contenders(group<Tr>& g, const options& o) {
   std::optional<topology::automatic> autom;
   if (std::find(o.topologies.begin(), o.topologies.end(), "automatic") != o.topologies.end()) {
     autom = calibrate_automatic(g);
-    if (g.rank() == 0 && !o.json) {
+    if (g.rank() == 0) {
       // The calibration, as the command that shows the comparisons automatic makes with it (every
-      // figure to the last bit: a rounded one could flip a choice near a crossover).
-      std::printf("# automatic: calibrated alpha %.2f us, bandwidth %.3f GB/s, eta %.3f, overhead %.2f us; its choices: "
-                  "lockstep-sim --explain --ranks %d --latency-us %.17g --gbit %.17g --exchange-efficiency %.17g "
-                  "--overhead-us %.17g --segment-bytes %zu --segment-choices ",
-                  autom->link.latency_s * 1e6, autom->link.bandwidth_Bps / 1e9, autom->link.exchange_efficiency,
-                  autom->link.overhead_s * 1e6, g.size(), autom->link.latency_s * 1e6,
-                  autom->link.bandwidth_Bps * 8 / 1e9, autom->link.exchange_efficiency, autom->link.overhead_s * 1e6,
-                  g.segment_bytes());
-      if (autom->segment_choices.empty()) std::printf("none");
-      for (std::size_t i = 0; i < autom->segment_choices.size(); ++i)
-        std::printf("%s%zu", i ? "," : "", autom->segment_choices[i]);
+      // figure to the last bit: a rounded one could flip a choice near a crossover); with --json,
+      // a line of its own, so that a grid's choices can be recomputed from the jobs' files.
+      std::string args = "--ranks " + std::to_string(g.size());
+      auto add = [&args](const char* fmt, auto... v) {
+        char b[256];
+        std::snprintf(b, sizeof b, fmt, v...);
+        args += b;
+      };
+      add(" --latency-us %.17g --gbit %.17g --exchange-efficiency %.17g --overhead-us %.17g --segment-bytes %zu",
+          autom->link.latency_s * 1e6, autom->link.bandwidth_Bps * 8 / 1e9, autom->link.exchange_efficiency,
+          autom->link.overhead_s * 1e6, g.segment_bytes());
+      args += " --segment-choices ";
+      if (autom->segment_choices.empty()) args += "none";
+      for (std::size_t i = 0; i < autom->segment_choices.size(); ++i) add("%s%zu", i ? "," : "", autom->segment_choices[i]);
       for (std::size_t i = 0; i < autom->direct_sizes.size(); ++i)
-        std::printf("%s%zu", i ? "," : " --direct-sizes ", autom->direct_sizes[i]);
+        add("%s%zu", i ? "," : " --direct-sizes ", autom->direct_sizes[i]);
       for (const auto& [name, r] : autom->rates)
-        std::printf(" --gamma-ns %s:%.17g,%.17g,%.17g", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
+        add(" --gamma-ns %s:%.17g,%.17g,%.17g", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
       if (autom->cache_bytes) {
-        std::printf(" --cache-bytes %zu --cache-latency-us %.17g --cache-gbit %.17g", autom->cache_bytes,
-                    autom->cache_link.latency_s * 1e6, autom->cache_link.bandwidth_Bps * 8 / 1e9);
+        add(" --cache-bytes %zu --cache-latency-us %.17g --cache-gbit %.17g", autom->cache_bytes,
+            autom->cache_link.latency_s * 1e6, autom->cache_link.bandwidth_Bps * 8 / 1e9);
         for (const auto& [name, r] : autom->cache_rates)
-          std::printf(" --cache-gamma-ns %s:%.17g,%.17g,%.17g", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9,
-                      r.decode_add_s * 1e9);
+          add(" --cache-gamma-ns %s:%.17g,%.17g,%.17g", name.c_str(), r.encode_s * 1e9, r.decode_s * 1e9, r.decode_add_s * 1e9);
       }
       if (autom->bulk_bytes)
-        std::printf(" --bulk-bytes %zu --bulk-exchange-efficiency %.17g", autom->bulk_bytes, autom->bulk_exchange_efficiency);
-      std::printf(" --codec ... --bytes ...\n");
+        add(" --bulk-bytes %zu --bulk-exchange-efficiency %.17g", autom->bulk_bytes, autom->bulk_exchange_efficiency);
+      if (o.json)
+        std::printf("{\"kind\":\"calibration\",\"ranks\":%d,\"explain\":\"%s\"}\n", g.size(), args.c_str());
+      else
+        std::printf("# automatic: calibrated alpha %.2f us, bandwidth %.3f GB/s, eta %.3f, overhead %.2f us; its choices: "
+                    "lockstep-sim --explain %s --codec ... --bytes ...\n",
+                    autom->link.latency_s * 1e6, autom->link.bandwidth_Bps / 1e9, autom->link.exchange_efficiency,
+                    autom->link.overhead_s * 1e6, args.c_str());
     }
   }
   for (const auto& tn : o.topologies)

@@ -991,6 +991,26 @@ TEST_CASE("reduce_scatter_v and all_gather_v through automatic run the layout's 
   for (const auto& f : failures) FAIL_CHECK(f);
 }
 
+// The small cases (the link's alpha, the cache tier) are timed as calls in a row, as a step's
+// small all-reduces come; from 1 MiB single calls as before (and the 4 MiB pairs in their rows).
+TEST_CASE("the calibration times its small cases as calls in a row", "[automatic]") {
+  using K = detail::calibration_case;
+  for (int size : {2, 3, 4}) {
+    int small = 0;
+    for (const K& k : detail::calibration_cases(size)) {
+      if (k.kind != K::ring && k.kind != K::recursive_doubling) continue;
+      if (k.bytes <= detail::small_row_max_bytes) {
+        CHECK(k.calls == detail::small_row_calls);
+        ++small;
+      } else if (k.bytes == (std::size_t{1} << 20)) {
+        CHECK(k.calls == 1);
+      }
+    }
+    CHECK(small == ((size & (size - 1)) == 0 ? 6 : 3));
+  }
+  CHECK(detail::small_row_calls > 1);
+}
+
 // A rank handed other per-rank counts than its peers may choose another topology for them; the
 // call still fails at once, on every rank, naming the counts (the headers' first check), not at
 // the group's timeout. Rank 0's layout is one whose choice differs from the others' equal parts.

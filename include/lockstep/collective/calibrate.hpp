@@ -9,7 +9,8 @@
 // bulk cases take turns in a phase of their own, last):
 //   * the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of two, recursive
 //     doubling (pairwise exchanges) at the same sizes: alpha and beta, fitted to the closed forms
-//     (sim::fit_alpha_beta);
+//     (sim::fit_alpha_beta); up to 256 KiB each run times small_row_calls calls in a row, as a
+//     step's small all-reduces come;
 //   * the ring and halving-doubling at 1 MiB and 4 MiB (3 ranks and more): the same bytes one way
 //     and in pairwise exchanges, so eta (link_params::exchange_efficiency) is what makes the
 //     simulator's halving-doubling / ring ratio the measured one;
@@ -87,6 +88,15 @@ inline constexpr std::size_t bulk_probe_bytes = std::size_t{32} << 20;
 // backward pass and queued one behind the other; the bench's rotating buffers): the segment test's
 // pair, and direct against the ring at 4 MiB (calibration_cases).
 inline constexpr int row_calls = 3;
+// Calls per timed run of the small cases (up to 256 KiB: the link's alpha and the cache tier):
+// back to back, as a training step's small all-reduces come (one per layer's statistics, per
+// parameter's norms). One call alone, between other cases, times the ranks' wake-ups more than the
+// call where ranks share cores: on the Intel Xeon VM (4 processes on 2 cores) the single 4 KiB ring
+// read 41..98 us in two jobs where the bench's loops ran it in 28..32.
+inline constexpr int small_row_calls = 8;
+inline constexpr std::size_t small_row_max_bytes = std::size_t{256} << 10;
+// The calls per run of the ring's and recursive doubling's case of this size.
+constexpr int calls_for(std::size_t bytes) { return bytes <= small_row_max_bytes ? small_row_calls : 1; }
 
 // Writes bytes at p back to memory and out of every cache level (x86 with SSE2: clflush;
 // elsewhere, and in a CUDA translation unit, nothing: the bulk cases are then timed warm): the
@@ -114,13 +124,15 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   if (size < 2) return cases;
   // Sizes where the candidates' times cross (the choices that matter): where latency and
   // bandwidth weigh alike, not far beyond, where every bandwidth-optimal candidate costs the same.
-  for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20}) cases.push_back({K::ring, b});
+  for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20})
+    cases.push_back({.kind = K::ring, .bytes = b, .calls = calls_for(b)});
   if ((size & (size - 1)) == 0)
     for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20})
-      cases.push_back({K::recursive_doubling, b});
+      cases.push_back({.kind = K::recursive_doubling, .bytes = b, .calls = calls_for(b)});
   // Where the cache tier ends: 256 KiB, the ring's and (power of two) recursive doubling's.
-  cases.push_back({K::ring, std::size_t{256} << 10});
-  if ((size & (size - 1)) == 0) cases.push_back({K::recursive_doubling, std::size_t{256} << 10});
+  constexpr std::size_t probe = std::size_t{256} << 10;
+  cases.push_back({.kind = K::ring, .bytes = probe, .calls = calls_for(probe)});
+  if ((size & (size - 1)) == 0) cases.push_back({.kind = K::recursive_doubling, .bytes = probe, .calls = calls_for(probe)});
   cases.push_back({K::ring, std::size_t{4} << 20});
   // The segment test's pair, row_calls calls back to back per run, each on a cold buffer of its
   // own, as large calls come: one call alone after a barrier read the quarter segments 10% faster
@@ -387,7 +399,7 @@ inline topology::automatic fit_calibration(topology::automatic a, int size, std:
     const double d0 = predicted(0), slope = (predicted(1e-6) - d0) / 1e-6;
     // No more than a whole step of the 4 KiB ring took (a flat slope on a noisy fit would make o
     // anything at all).
-    const double o_max = time_of(K::ring, std::size_t{4} << 10) / (2.0 * (size - 1));
+    const double o_max = time_of(K::ring, std::size_t{4} << 10, calls_for(std::size_t{4} << 10)) / (2.0 * (size - 1));
     // And only from a difference beyond what separates two runs of one case (a few percent on a
     // shared machine): the overlap makes the slope small, so a model a little off (a fitted eta of
     // 0.62 for 0.6) would otherwise read as microseconds of o.
@@ -471,7 +483,8 @@ topology::automatic calibrate_automatic(group<T>& g, topology::automatic base = 
           std::vector<float>& x = phase ? bulk_buf : bufs[i];
           std::fill(x.begin(), x.end(), 1.0f);
           if (phase || cases[i].calls > 1) {
-            detail::evict(x.data(), x.size() * sizeof(float));
+            // Large rows start out of cache, as large calls come; small rows as the fill left them.
+            if (phase || cases[i].bytes > detail::small_row_max_bytes) detail::evict(x.data(), x.size() * sizeof(float));
             // Every rank's flush done before any clock starts: on shared cores a rank still
             // flushing would add its flush to both cases' times alike, pulling their ratio to 1.
             barrier(g);
