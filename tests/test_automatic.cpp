@@ -848,10 +848,6 @@ TEST_CASE("a bad LOCKSTEP_TOPOLOGY fails an asynchronous call from its wait(), n
   check([](int n, auto&& f) { run_inproc_deferred(n, f); });
 }
 
-// all_gather_v and reduce_scatter_v are predicted as they cut the buffer: a skewed layout is not
-// the equal chunks of its total (a rank holding everything makes the ring's all-gather pass its
-// one chunk N - 1 hops, where recursive doubling's passes it log2 N). Each layout has its own
-// cached choice, and through the collectives the call's layout is the one predicted.
 // On a link whose pairwise exchanges get 70% of the bandwidth (TCP's two-way traffic: netlab
 // measures 0.6..0.7, docs/scaling.md), equal parts go one way round the ring; one rank holding
 // everything is then cheaper in two exchanges of the whole (torus2d's 2x2) than in three ring hops.
@@ -861,6 +857,9 @@ automatic tcp_like() {
   return a;
 }
 
+// all_gather_v and reduce_scatter_v are predicted as they cut the buffer: a skewed layout is not
+// the equal chunks of its total (a rank holding everything makes the ring pass its one chunk N - 1
+// hops). Each layout has its own cached choice.
 TEST_CASE("per-rank counts are predicted as the call cuts the buffer", "[automatic]") {
   const automatic a = tcp_like();
   codec::fp32 c;
@@ -896,14 +895,14 @@ TEST_CASE("per-rank counts are predicted as the call cuts the buffer", "[automat
   CHECK(changed > 0);
   // A fingerprint that collides with another layout's is not served that layout's choice.
   {
-    const std::vector<std::size_t> skew{0, 0, 0, std::size_t{1} << 20}, even{0, std::size_t{1} << 18, std::size_t{1} << 19,
-                                                                           3 * (std::size_t{1} << 18), std::size_t{1} << 20};
-    const auto lay = detail::chunk_layout::from_counts(skew);
-    const choice p = a.choose(operation::all_gather, 4, std::size_t{1} << 20, c, seg, false, -1, lay.offsets, 7);
+    const std::vector<std::size_t> skewed{0, 0, 0, 0, std::size_t{1} << 20}, even{0, std::size_t{1} << 18, std::size_t{1} << 19,
+                                                                              3 * (std::size_t{1} << 18), std::size_t{1} << 20};
+    // Both under fingerprint 7: the second must be its own prediction, not the first's.
+    const choice p = a.choose(operation::all_gather, 4, std::size_t{1} << 20, c, seg, false, -1, skewed, 7);
     const choice q = a.choose(operation::all_gather, 4, std::size_t{1} << 20, c, seg, false, -1, even, 7);
     const auto e = a.explain(operation::all_gather, 4, std::size_t{1} << 20, c, seg, false, even);
+    CHECK(p.predicted_s != q.predicted_s);  // else serving the first could not show
     CHECK(q.predicted_s == e[automatic::pick(e, a.segment_margin)].predicted_s);
-    (void)p;
   }
   // Offsets that are not one part per rank of the count, or for an operation without them.
   // Each wrong in one way only: too few, ending short of the count, not starting at 0, falling.
