@@ -752,6 +752,13 @@ TEST_CASE("per-rank counts: equal counts as offsets change nothing; one-hot coun
   const std::vector<std::size_t> bad = {0, 5, 9};
   CHECK_THROWS_WITH(s.run(2, 10, [](int r) { return topology::ring{}.all_gather(r, 2); }, false, std::span<const std::size_t>(bad)),
                     Catch::Contains("end at 9, not at the 10 values"));
+  // Offsets that do not start at 0 or that fall would cut chunks of wrapped (size_t) lengths.
+  const std::vector<std::size_t> late = {1, 5, 10}, falling = {0, 7, 3, 10};
+  CHECK_THROWS_WITH(s.run(2, 10, [](int r) { return topology::ring{}.all_gather(r, 2); }, false, std::span<const std::size_t>(late)),
+                    Catch::Contains("start at 1, not at 0"));
+  CHECK_THROWS_WITH(s.run(3, 10, [](int r) { return topology::ring{}.reduce_scatter(r, 3); }, false,
+                          std::span<const std::size_t>(falling)),
+                    Catch::Contains("fall from 7 to 3 at chunk 2"));
 }
 
 TEST_CASE("halving_doubling's and recursive_doubling's schedules simulate to their closed forms on powers of two",

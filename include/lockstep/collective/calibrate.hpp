@@ -223,10 +223,81 @@ double simulated_all_reduce(const sim::link_params& link, const sim::codec_model
 // The size whose cases tell where automatic's cache tier ends; no fit takes them in.
 inline constexpr std::size_t tier_probe_bytes = std::size_t{256} << 10;
 
+// alpha, beta and fp32's gamma (its decode-add, the reduction) fitted together to the cache
+// tier's ring and recursive doubling cases. On a power of two the ring reduces (N-1)/N of the
+// buffer and recursive doubling log2 N times all of it, so their times tell gamma from beta. The
+// gamma measured alone (sim::measure_rates on 64 KiB) is the reduction on a core with nothing
+// else to do; inside a call it can cost more: on the Intel Xeon VM (2 processes over the mpi
+// transport) recursive doubling's 64 KiB calls ran 22..29% behind the ring's in the calibration
+// and 5..20% in the bench, where the measured gamma predicted them ahead (docs/benchmarks.md). No
+// fit (nullopt: the measured gamma stands) without both kinds at two sizes or more, or where the
+// fit gives no positive alpha, no positive beta, or a gamma below the one measured alone (a
+// reduction inside a call is not faster than alone: such a gamma is noise taken up).
+struct cache_gamma_fit {
+  double latency_s = 0;
+  double beta_s = 0;  // seconds per one-way byte; exchanges at beta / eta
+  double decode_add_s = 0;
+};
+inline std::optional<cache_gamma_fit> fit_cache_gamma(const std::vector<calibration_case>& cases, int size,
+                                                      std::size_t group_segment, const sim::codec_model& model,
+                                                      double eta, std::size_t in_cache) {
+  using K = calibration_case;
+  if (size < 2 || (size & (size - 1)) != 0) return std::nullopt;
+  double m[3][4] = {};
+  int rows = 0, rings = 0, doublings = 0;
+  for (const K& c : cases) {
+    if ((c.kind != K::ring && c.kind != K::recursive_doubling) || c.bytes > in_cache || !(c.seconds > 0)) continue;
+    const std::size_t n = calibration_elems(size, c.bytes);
+    const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
+                                                : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
+    const double w = 1.0 / c.seconds;
+    const double x[3] = {t.messages * w, (t.oneway_bytes + t.exchange_bytes / eta) * w, t.decode_add_elems * w};
+    const double y = (c.seconds - t.encode_elems * model.rates.encode_s - t.decode_elems * model.rates.decode_s) * w;
+    for (int i = 0; i < 3; ++i) {
+      for (int j = 0; j < 3; ++j) m[i][j] += x[i] * x[j];
+      m[i][3] += x[i] * y;
+    }
+    ++rows, (c.kind == K::ring ? rings : doublings)++;
+  }
+  if (rows < 4 || rings < 2 || doublings < 2) return std::nullopt;
+  // Columns scaled to a unit diagonal (alpha ~1e-6 s, beta ~1e-10 s/B, gamma ~1e-10 s), then
+  // Gauss-Jordan with partial pivoting.
+  double scale[3];
+  for (int i = 0; i < 3; ++i) {
+    if (!(m[i][i] > 0)) return std::nullopt;
+    scale[i] = 1.0 / std::sqrt(m[i][i]);
+  }
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 3; ++j) m[i][j] *= scale[i] * scale[j];
+    m[i][3] *= scale[i];
+  }
+  for (int c = 0; c < 3; ++c) {
+    int piv = c;
+    for (int r = c + 1; r < 3; ++r)
+      if (std::abs(m[r][c]) > std::abs(m[piv][c])) piv = r;
+    // Columns that (nearly) coincide: the sizes do not tell the three apart.
+    if (std::abs(m[piv][c]) < 1e-9) return std::nullopt;
+    for (int j = 0; j < 4; ++j) std::swap(m[c][j], m[piv][j]);
+    for (int r = 0; r < 3; ++r) {
+      if (r == c) continue;
+      const double f = m[r][c] / m[c][c];
+      for (int j = c; j < 4; ++j) m[r][j] -= f * m[c][j];
+    }
+  }
+  cache_gamma_fit f;
+  f.latency_s = m[0][3] / m[0][0] * scale[0];
+  f.beta_s = m[1][3] / m[1][1] * scale[1];
+  f.decode_add_s = m[2][3] / m[2][2] * scale[2];
+  if (!(f.latency_s > 0) || !(f.beta_s > 0) || !std::isfinite(f.beta_s) || !(f.decode_add_s >= model.rates.decode_add_s))
+    return std::nullopt;
+  return f;
+}
+
 // automatic's cache tier (automatic::cache_bytes): alpha and beta fitted, as the link's, to the
 // ring's and recursive doubling's times at the sizes that stay in cache (up to 64 KiB), with the
-// link's eta and the codecs' gamma measured in cache (a.cache_rates; a.rates where it has none).
-// No tier where they fit no positive alpha and beta. Without recursive doubling (a group that is
+// link's eta and the codecs' gamma measured in cache (a.cache_rates; a.rates where it has none),
+// and on a power of two fp32's gamma with them where fit_cache_gamma takes it (written back to
+// a.cache_rates). No tier where they fit no positive alpha and beta. Without recursive doubling (a group that is
 // not a power of two) two ring times give the two parameters exactly, noise included; the guards
 // below drop what noise makes nonsense of. The tier covers the 256 KiB calls too where
 // it predicted their measured times better than the link does: where a cache ends depends on the
@@ -236,19 +307,29 @@ inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_s
   using K = calibration_case;
   constexpr std::size_t in_cache = std::size_t{64} << 10;
   a.cache_bytes = 0;
-  const auto fp32_rates = a.cache_rates.count("fp32") ? a.cache_rates.at("fp32") : a.rates["fp32"];
-  const sim::codec_model model = sim::model_of(codec::fp32{}, fp32_rates);
+  sim::codec_rates fp32_rates = a.cache_rates.count("fp32") ? a.cache_rates.at("fp32") : a.rates["fp32"];
+  sim::codec_model model = sim::model_of(codec::fp32{}, fp32_rates);
   std::size_t largest = 0;
   for (const K& c : cases)
     if (c.bytes <= in_cache && (c.kind == K::ring || c.kind == K::recursive_doubling)) largest = std::max(largest, c.bytes);
-  const auto f = fit_ring_and_doubling(cases, size, group_segment, model, a.link.exchange_efficiency,
-                                       [&](std::size_t b) { return b <= in_cache; });
-  // Small calls are alpha's: a fit that had to pin it at 0 (times that fell with size, a noisy
-  // machine) would choose them as if messages were free.
-  if (!f || f->alpha_pinned || !(f->link.bandwidth_Bps > 0) || !std::isfinite(f->link.bandwidth_Bps)) return;
   a.cache_link = a.link;
-  a.cache_link.latency_s = std::max(0.0, f->link.latency_s);
-  a.cache_link.bandwidth_Bps = f->link.bandwidth_Bps;
+  if (const auto g = fit_cache_gamma(cases, size, group_segment, model, a.link.exchange_efficiency, in_cache)) {
+    // The tier's fp32 reduces at the gamma its calls measured (the other codecs keep the ones
+    // measured alone: no case times them inside a call).
+    a.cache_link.latency_s = g->latency_s;
+    a.cache_link.bandwidth_Bps = 1.0 / g->beta_s;
+    fp32_rates.decode_add_s = g->decode_add_s;
+    a.cache_rates["fp32"] = fp32_rates;
+    model = sim::model_of(codec::fp32{}, fp32_rates);
+  } else {
+    const auto f = fit_ring_and_doubling(cases, size, group_segment, model, a.link.exchange_efficiency,
+                                         [&](std::size_t b) { return b <= in_cache; });
+    // Small calls are alpha's: a fit that had to pin it at 0 (times that fell with size, a noisy
+    // machine) would choose them as if messages were free.
+    if (!f || f->alpha_pinned || !(f->link.bandwidth_Bps > 0) || !std::isfinite(f->link.bandwidth_Bps)) return;
+    a.cache_link.latency_s = std::max(0.0, f->link.latency_s);
+    a.cache_link.bandwidth_Bps = f->link.bandwidth_Bps;
+  }
   // Its alpha took in whatever a message costs the core: no o besides (one segment per step here).
   a.cache_link.overhead_s = 0;
   a.cache_bytes = largest;

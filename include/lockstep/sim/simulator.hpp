@@ -256,6 +256,15 @@ class simulator {
     if (!offsets.empty() && offsets.back() != n)
       throw error(errc::invalid_argument, "sim::simulator::run", -1, -1,
                   "per-chunk offsets end at " + std::to_string(offsets.back()) + ", not at the " + std::to_string(n) + " values");
+    // Falling offsets would give chunk lengths that wrap (size_t), as if the chunk held 2^64 values.
+    if (!offsets.empty() && offsets.front() != 0)
+      throw error(errc::invalid_argument, "sim::simulator::run", -1, -1,
+                  "per-chunk offsets start at " + std::to_string(offsets.front()) + ", not at 0");
+    for (std::size_t c = 1; c < offsets.size(); ++c)
+      if (offsets[c] < offsets[c - 1])
+        throw error(errc::invalid_argument, "sim::simulator::run", -1, -1,
+                    "per-chunk offsets fall from " + std::to_string(offsets[c - 1]) + " to " + std::to_string(offsets[c]) +
+                        " at chunk " + std::to_string(c));
     last_symmetric_ = false;
     size_ = size;
     n_ = n;
