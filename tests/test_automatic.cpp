@@ -803,12 +803,12 @@ TEST_CASE("the cache tier's own gamma, and no tier where its sizes fit no link",
 }
 
 // On the Intel Xeon VM two processes ran recursive doubling's 64 KiB calls 22..29% behind the
-// ring's in the calibration, while the gamma measured alone predicted them ahead: the reduction
+// ring's in the calibration (16..32% in the bench), while the gamma measured alone predicted them ahead: the reduction
 // inside a call cost more than alone. On a power of two the cache tier fits fp32's gamma too.
 TEST_CASE("the cache tier fits fp32's gamma where a call's reductions cost more than measured alone", "[automatic]") {
   const std::size_t seg = std::size_t{1} << 20;
   const sim::link_params small{4e-6, 40e9, 1.0}, large{4e-6, 5e9, 1.0};
-  const sim::codec_rates inside{0, 0, 5 * fp32_rates.decode_add_s};
+  const sim::codec_rates alone{0, 0, 0.05e-9}, inside{0, 0, 5 * alone.decode_add_s};
   auto cases_with = [&](int size, const sim::codec_rates& in_call) {
     std::vector<detail::calibration_case> cases = simulated_cases(size, large, seg);
     const std::vector<detail::calibration_case> in_cache = simulated_cases(size, small, seg, 1.0, in_call);
@@ -817,7 +817,7 @@ TEST_CASE("the cache tier fits fp32's gamma where a call's reductions cost more 
     return cases;
   };
   automatic given = with_rates();
-  given.cache_rates["fp32"] = fp32_rates;  // measured alone
+  given.cache_rates["fp32"] = alone;
   codec::fp32 c;
   for (int size : {2, 4, 8}) {
     CAPTURE(size);
@@ -826,24 +826,28 @@ TEST_CASE("the cache tier fits fp32's gamma where a call's reductions cost more 
     CHECK(a.cache_rates.at("fp32").decode_add_s == Approx(inside.decode_add_s).epsilon(0.1));
     CHECK(a.cache_link.latency_s == Approx(small.latency_s).epsilon(0.25));
     CHECK(a.cache_link.bandwidth_Bps == Approx(small.bandwidth_Bps).epsilon(0.1));
-    CHECK(a.rates.at("fp32").decode_add_s == fp32_rates.decode_add_s);  // the link's tier keeps its own
   }
-  // 2 ranks: recursive doubling saves one message of 4 us and reduces 8192 values more at 64 KiB
-  // (12 us at 1.5 ns; 2.5 us at the 0.3 ns measured alone), 512 more at 4 KiB.
+  // 2 ranks: recursive doubling saves one message (4 us) and, fp32 copying its span aside, reduces
+  // 2n values where the ring reduces n/2: 24576 more at 64 KiB (6.1 us at the calls' 0.25 ns, 1.2
+  // at the 0.05 measured alone), 1536 more at 4 KiB (0.4 us). On the measured gamma the fit
+  // without it puts recursive doubling ahead at 64 KiB too.
   const automatic two = detail::fit_calibration(given, 2, seg, cases_with(2, inside));
   CHECK(two.choose(operation::all_reduce, 2, 1024, c, seg).kind == choice::recursive_doubling);
   CHECK(two.choose(operation::all_reduce, 2, 16384, c, seg).kind != choice::recursive_doubling);
-  // Calls that reduced faster than alone (noise taken up): the gamma measured alone stands.
-  const sim::codec_rates faster{0, 0, fp32_rates.decode_add_s / 2};
-  const automatic f = detail::fit_calibration(given, 4, seg, cases_with(4, faster));
-  CHECK(f.cache_rates.at("fp32").decode_add_s == fp32_rates.decode_add_s);
+  // Calls that reduced faster than alone, or dearer by less than the margin (the measured gamma is
+  // a best of many runs, the cases medians): the gamma measured alone stands.
+  for (double f : {0.5, 0.5 * (1 + detail::cache_gamma_margin)}) {
+    CAPTURE(f);
+    const automatic near = detail::fit_calibration(given, 4, seg, cases_with(4, {0, 0, f * alone.decode_add_s}));
+    CHECK(near.cache_rates.at("fp32").decode_add_s == alone.decode_add_s);
+  }
   // Not a power of two: the ring's two sizes cannot tell gamma from beta; the measured one stands.
   const automatic three = detail::fit_calibration(given, 3, seg, cases_with(3, inside));
-  CHECK(three.cache_rates.at("fp32").decode_add_s == fp32_rates.decode_add_s);
+  CHECK(three.cache_rates.at("fp32").decode_add_s == alone.decode_add_s);
   // and recursive doubling's samples alone, without the ring's, fit nothing either
   std::vector<detail::calibration_case> one_kind = cases_with(4, inside);
   std::erase_if(one_kind, [](const detail::calibration_case& k) { return k.kind == detail::calibration_case::ring && k.bytes <= (64u << 10); });
-  CHECK_FALSE(detail::fit_cache_gamma(one_kind, 4, seg, sim::model_of(codec::fp32{}, fp32_rates), 1.0, 64u << 10));
+  CHECK_FALSE(detail::fit_cache_gamma(one_kind, 4, seg, sim::model_of(codec::fp32{}, alone), 1.0, 64u << 10));
 }
 
 TEST_CASE("a cached choice is the codec's own: another codec with the same id is not served it", "[automatic]") {
