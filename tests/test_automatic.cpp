@@ -803,8 +803,9 @@ TEST_CASE("the cache tier's own gamma, and no tier where its sizes fit no link",
 }
 
 // On the Intel Xeon VM two processes ran recursive doubling's 64 KiB calls 22..29% behind the
-// ring's in the calibration (16..32% in the bench), while the gamma measured alone predicted them ahead: the reduction
-// inside a call cost more than alone. On a power of two the cache tier fits fp32's gamma too.
+// ring's in the calibration (16..32% in the bench), while the gamma measured alone predicted them
+// ahead: the reduction inside a call cost more than alone. On a power of two the cache tier fits
+// fp32's gamma too.
 TEST_CASE("the cache tier fits fp32's gamma where a call's reductions cost more than measured alone", "[automatic]") {
   const std::size_t seg = std::size_t{1} << 20;
   const sim::link_params small{4e-6, 40e9, 1.0}, large{4e-6, 5e9, 1.0};

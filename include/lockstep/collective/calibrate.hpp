@@ -302,8 +302,9 @@ inline std::optional<cache_gamma_fit> fit_cache_gamma(const std::vector<calibrat
 // ring's and recursive doubling's times at the sizes that stay in cache (up to 64 KiB), with the
 // link's eta and the codecs' gamma measured in cache (a.cache_rates; a.rates where it has none),
 // and on a power of two fp32's gamma with them where fit_cache_gamma takes it (written back to
-// a.cache_rates). No tier where they fit no positive alpha and beta. Without recursive doubling (a group that is
-// not a power of two) two ring times give the two parameters exactly, noise included; the guards
+// a.cache_rates). No tier where they fit no positive alpha and beta. Without recursive doubling
+// (a group that is not a power of two) two ring times give the two parameters exactly, noise
+// included; the guards
 // below drop what noise makes nonsense of. The tier covers the 256 KiB calls too where
 // it predicted their measured times better than the link does: where a cache ends depends on the
 // machine (and on how many ranks share a core's), so it is measured, not assumed.
