@@ -804,8 +804,8 @@ TEST_CASE("the cache tier's own gamma, and no tier where its sizes fit no link",
 
 // On the Intel Xeon VM two processes ran recursive doubling's 64 KiB calls 22..29% behind the
 // ring's in the calibration (16..32% in the bench), while the gamma measured alone predicted them
-// ahead: the reduction inside a call cost more than alone. On a power of two the cache tier fits
-// fp32's gamma too.
+// ahead: the reduction inside a call cost more than alone. The cache tier fits fp32's gamma too,
+// at every group size: folded recursive doubling (3, 5 ranks) through the simulator's paths.
 TEST_CASE("the cache tier fits fp32's gamma where a call's reductions cost more than measured alone", "[automatic]") {
   const std::size_t seg = std::size_t{1} << 20;
   const sim::link_params small{4e-6, 40e9, 1.0}, large{4e-6, 5e9, 1.0};
@@ -820,7 +820,7 @@ TEST_CASE("the cache tier fits fp32's gamma where a call's reductions cost more 
   automatic given = with_rates();
   given.cache_rates["fp32"] = alone;
   codec::fp32 c;
-  for (int size : {2, 4, 8}) {
+  for (int size : {2, 3, 4, 5, 6, 8}) {
     CAPTURE(size);
     const automatic a = detail::fit_calibration(given, size, seg, cases_with(size, inside));
     REQUIRE(a.cache_bytes >= (std::size_t{64} << 10));
@@ -842,13 +842,81 @@ TEST_CASE("the cache tier fits fp32's gamma where a call's reductions cost more 
     const automatic near = detail::fit_calibration(given, 4, seg, cases_with(4, {0, 0, f * alone.decode_add_s}));
     CHECK(near.cache_rates.at("fp32").decode_add_s == alone.decode_add_s);
   }
-  // Not a power of two: the ring's two sizes cannot tell gamma from beta; the measured one stands.
-  const automatic three = detail::fit_calibration(given, 3, seg, cases_with(3, inside));
-  CHECK(three.cache_rates.at("fp32").decode_add_s == alone.decode_add_s);
-  // and recursive doubling's samples alone, without the ring's, fit nothing either
-  std::vector<detail::calibration_case> one_kind = cases_with(4, inside);
-  std::erase_if(one_kind, [](const detail::calibration_case& k) { return k.kind == detail::calibration_case::ring && k.bytes <= (64u << 10); });
-  CHECK_FALSE(detail::fit_cache_gamma(one_kind, 4, seg, sim::model_of(codec::fp32{}, alone), 1.0, 64u << 10));
+  // One kind of case alone cannot tell gamma from beta: recursive doubling's without the ring's,
+  // or the ring's without recursive doubling's, fit no gamma (the measured one stands); the two
+  // parameters of the link they still fit.
+  for (int size : {3, 4})
+    for (auto drop : {detail::calibration_case::ring, detail::calibration_case::recursive_doubling}) {
+      CAPTURE(size, drop);
+      std::vector<detail::calibration_case> one_kind = cases_with(size, inside);
+      std::erase_if(one_kind, [&](const detail::calibration_case& k) { return k.kind == drop && k.bytes <= (64u << 10); });
+      const sim::codec_model m = sim::model_of(codec::fp32{}, alone);
+      CHECK_FALSE(detail::fit_cache_link(one_kind, size, seg, m, given.link, 64u << 10, true));
+      CHECK(detail::fit_cache_link(one_kind, size, seg, m, given.link, 64u << 10, false));
+    }
+}
+
+// The fit reads its rows off the simulator at the point it has reached: from a start far off (an
+// alpha 100x, a bandwidth 1000x away, or none at all), on the folded paths of 3, 5 and 7 ranks
+// too, it comes back to the link and gamma that produced the times. Times that want no positive
+// beta (64 KiB faster than 4 KiB) or no positive alpha (4 KiB at a hundredth of its time: the line
+// through the two sizes meets 0 below 0) fit nothing, however close to 0 its damped steps came.
+TEST_CASE("the cache tier's fit finds its link from far off, and none where alpha or beta is not positive", "[automatic]") {
+  using K = detail::calibration_case;
+  const std::size_t seg = std::size_t{1} << 20, in_cache = std::size_t{64} << 10;
+  const sim::link_params truth{3e-6, 20e9, 0.8};
+  const sim::codec_rates alone{0, 0, 0.05e-9}, inside{0, 0, 0.2e-9};
+  const sim::codec_model m = sim::model_of(codec::fp32{}, alone);
+  for (int size : {2, 3, 4, 5, 7}) {
+    CAPTURE(size);
+    const std::vector<K> cases = simulated_cases(size, truth, seg, 1.0, inside);
+    for (const sim::link_params& start : {sim::link_params{300e-6, 20e6, 0.8}, sim::link_params{0, 0, 0.8}}) {
+      const auto f = detail::fit_cache_link(cases, size, seg, m, start, in_cache, true);
+      REQUIRE(f);
+      CHECK(f->latency_s == Approx(truth.latency_s).epsilon(0.02));
+      CHECK(1.0 / f->beta_s == Approx(truth.bandwidth_Bps).epsilon(0.02));
+      CHECK(f->decode_add_s == Approx(inside.decode_add_s).epsilon(0.02));
+    }
+    auto time_of = [&](K::kind_t kind, std::size_t bytes) {
+      for (const K& k : cases)
+        if (k.kind == kind && k.bytes == bytes) return k.seconds;
+      return -1.0;
+    };
+    std::vector<K> no_beta = cases, no_alpha = cases;
+    for (K& k : no_beta)
+      if (k.bytes == in_cache) k.seconds = 0.9 * time_of(k.kind, std::size_t{4} << 10);
+    for (K& k : no_alpha)
+      if (k.bytes == (std::size_t{4} << 10)) k.seconds *= 0.01;
+    for (bool with_gamma : {true, false}) {
+      CAPTURE(with_gamma);
+      CHECK_FALSE(detail::fit_cache_link(no_beta, size, seg, m, truth, in_cache, with_gamma));
+      CHECK_FALSE(detail::fit_cache_link(no_alpha, size, seg, m, truth, in_cache, with_gamma));
+    }
+  }
+}
+
+// Recursive doubling's in-cache cases faster than their reductions alone take at the measured
+// gamma (a whole buffer reducing in cache): the tier's link comes from the ring's cases alone. Not
+// merely faster than the model: then the two kinds fit together, or no tier.
+TEST_CASE("the cache tier falls back to the ring only where recursive doubling beat its own reductions", "[automatic]") {
+  using K = detail::calibration_case;
+  const std::size_t seg = std::size_t{1} << 20, in_cache = std::size_t{64} << 10;
+  const sim::link_params small{4e-6, 40e9, 1.0}, large{4e-6, 5e9, 1.0};
+  for (int size : {2, 3, 4}) {
+    CAPTURE(size);
+    std::vector<K> cases = tiered_cases(size, small, large, seg);
+    const automatic given = with_rates();
+    const sim::codec_model m = sim::model_of(codec::fp32{}, given.rates.at("fp32"));
+    CHECK_FALSE(detail::doubling_below_reductions(cases, size, seg, m, given.link, in_cache));
+    for (K& k : cases)
+      if (k.kind == K::recursive_doubling && k.bytes <= in_cache)
+        k.seconds = 0.9 * detail::simulated_case(k, size, seg, m, given.link, {1e-15, 1e-18, m.rates.decode_add_s});
+    CHECK(detail::doubling_below_reductions(cases, size, seg, m, given.link, in_cache));
+    const automatic a = detail::fit_calibration(given, size, seg, cases);
+    REQUIRE(a.cache_bytes > 0);
+    CHECK(a.cache_link.bandwidth_Bps == Approx(small.bandwidth_Bps).epsilon(0.1));
+    CHECK(a.cache_link.latency_s == Approx(small.latency_s).epsilon(0.25));
+  }
 }
 
 TEST_CASE("a cached choice is the codec's own: another codec with the same id is not served it", "[automatic]") {
@@ -1054,7 +1122,9 @@ TEST_CASE("the calibration times its small cases as calls in a row", "[automatic
         CHECK(k.calls == 1);
       }
     }
-    CHECK(small == ((size & (size - 1)) == 0 ? 6 : 3));
+    // The ring's and recursive doubling's 4, 64 and 256 KiB at every group size (the cache tier
+    // fits recursive doubling folded, through the simulator).
+    CHECK(small == 6);
   }
   CHECK(detail::small_row_calls > 1);
 }

@@ -7,19 +7,22 @@
 // times fp32 all-reduces, each the median of a few runs, the cases taking turns round by round
 // (so that a machine that slows down mid-way slows every case alike, not the last ones; the three
 // bulk cases take turns in a phase of their own, last):
-//   * the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and, on a power of two, recursive
-//     doubling (pairwise exchanges) at the same sizes: alpha and beta, fitted to the closed forms
-//     (sim::fit_alpha_beta); up to 256 KiB each run times small_row_calls calls in a row, as a
-//     step's small all-reduces come;
+//   * the ring (one-way steps) at 4 KiB, 64 KiB and 1 MiB and recursive doubling (pairwise
+//     exchanges) at the same sizes (1 MiB on a power of two only): alpha and beta, fitted to the
+//     closed forms (sim::fit_alpha_beta; recursive doubling on a power of two, where it has
+//     them); up to 256 KiB each run times small_row_calls calls in a row, as a step's small
+//     all-reduces come;
 //   * the ring and halving-doubling at 1 MiB and 4 MiB (3 ranks and more): the same bytes one way
 //     and in pairwise exchanges, so eta (link_params::exchange_efficiency) is what makes the
 //     simulator's halving-doubling / ring ratio the measured one;
 //   * the same two at 32 MiB, cold (evicted from the caches before each run; 3 ranks and more):
 //     the bulk tier's eta, for calls from 16 MiB (automatic::bulk_bytes); and direct there too:
 //     where it measured faster than both, automatic offers it for every call of that tier;
-//   * the same ring and recursive doubling cases up to 64 KiB, on their own, with gamma measured
-//     in cache: automatic's cache tier (automatic::cache_bytes), the link small calls meet; and
-//     both at 256 KiB, which of the two tiers predicts better: where the tier ends;
+//   * the same ring and recursive doubling cases up to 64 KiB (recursive doubling here at every
+//     group size, folded where it is not a power of two), on their own, with gamma measured in
+//     cache, and fp32's gamma fitted with them (fit_cache_link, through the simulator):
+//     automatic's cache tier (automatic::cache_bytes), the link small calls meet; and both at
+//     256 KiB, which of the two tiers predicts better: where the tier ends;
 //   * direct at 1 MiB and 4 MiB (3 ranks and more) against the ring's times there (at 4 MiB in a
 //     row of cold calls, as the segment test's pair): where it measured faster, automatic offers
 //     it (automatic::direct_sizes);
@@ -126,13 +129,16 @@ inline std::vector<calibration_case> calibration_cases(int size) {
   // bandwidth weigh alike, not far beyond, where every bandwidth-optimal candidate costs the same.
   for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20})
     cases.push_back({.kind = K::ring, .bytes = b, .calls = calls_for(b)});
-  if ((size & (size - 1)) == 0)
-    for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20})
+  // Recursive doubling: in the cache tier at every group size (folded where it is not a power of
+  // two, fit_cache_link); at 1 MiB, for the link, on a power of two only (its closed forms).
+  const bool power_of_two = (size & (size - 1)) == 0;
+  for (std::size_t b : {std::size_t{4} << 10, std::size_t{64} << 10, std::size_t{1} << 20})
+    if (power_of_two || b < (std::size_t{1} << 20))
       cases.push_back({.kind = K::recursive_doubling, .bytes = b, .calls = calls_for(b)});
-  // Where the cache tier ends: 256 KiB, the ring's and (power of two) recursive doubling's.
+  // Where the cache tier ends: 256 KiB, the ring's and recursive doubling's.
   constexpr std::size_t probe = std::size_t{256} << 10;
   cases.push_back({.kind = K::ring, .bytes = probe, .calls = calls_for(probe)});
-  if ((size & (size - 1)) == 0) cases.push_back({.kind = K::recursive_doubling, .bytes = probe, .calls = calls_for(probe)});
+  cases.push_back({.kind = K::recursive_doubling, .bytes = probe, .calls = calls_for(probe)});
   cases.push_back({K::ring, std::size_t{4} << 20});
   // The segment test's pair, row_calls calls back to back per run, each on a cold buffer of its
   // own, as large calls come: one call alone after a barrier read the quarter segments 10% faster
@@ -182,6 +188,9 @@ std::optional<sim::fit_result> fit_ring_and_doubling(const std::vector<calibrati
   std::vector<sim::sample> ring_only, both;
   for (const K& c : cases) {
     if ((c.kind != K::ring && c.kind != K::recursive_doubling) || !use(c.bytes)) continue;
+    // recursive doubling has closed forms on a power of two only (folded, its time is no one
+    // linear form: fit_cache_link reads its rows off the simulator instead).
+    if (c.kind == K::recursive_doubling && (size & (size - 1)) != 0) continue;
     const std::size_t n = calibration_elems(size, c.bytes);
     const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
                                                 : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
@@ -223,91 +232,159 @@ double simulated_all_reduce(const sim::link_params& link, const sim::codec_model
 // The size whose cases tell where automatic's cache tier ends; no fit takes them in.
 inline constexpr std::size_t tier_probe_bytes = std::size_t{256} << 10;
 
-// alpha, beta and fp32's gamma (its decode-add, the reduction) fitted together to the cache
-// tier's ring and recursive doubling cases. On a power of two the ring reduces (N-1)/N of the
-// buffer and recursive doubling log2 N times all of it, so their times tell gamma from beta. The
-// gamma measured alone (sim::measure_rates on 64 KiB) is the reduction on a core with nothing
-// else to do; inside a call it can cost more: on the Intel Xeon VM (2 processes over the mpi
-// transport) recursive doubling's 64 KiB calls ran 22..29% behind the ring's in the calibration
-// and 16..32% in the bench, where the measured gamma predicted them ahead (docs/benchmarks.md).
-// At 2 ranks every byte of both is an exchange and eta is not fitted, so the fit cannot tell a
-// dearer reduction from dearer exchanges: it charges what recursive doubling pays beyond the model
-// per value reduced, which is where that cost grows with the size. No fit (nullopt: the measured
-// gamma stands) without both kinds at two sizes or more, or where it gives no positive alpha or
-// beta, or a gamma under cache_gamma_margin times the one measured alone: that one is the best of
-// 64 runs and the cases are medians of calls, so noise alone puts a free fit at or a little above
-// it (and a reduction inside a call is not faster than alone).
+// The cache tier's link (alpha, beta) and, with_gamma, fp32's gamma (its decode-add, the
+// reduction) fitted to the ring's and recursive doubling's cases up to in_cache bytes, as the
+// simulator times them. Recursive doubling has a closed form only on a power of two; folded onto
+// one (3 ranks: 2 alpha, two one-way buffers and 3n reductions, as rank 2's exchange message
+// arrives while rank 1 receives the fold; 5 ranks: the later of two chains) it has none that one
+// linear form gives. But the simulator's time is, for a fixed schedule, the longest of its paths,
+// each linear in alpha, beta and gamma: at a point its derivatives in them are the critical
+// path's counts of messages, bytes and values reduced. So each case's row is read off the
+// simulator (each parameter moved alone by a part in a thousand), the weighted least squares
+// (weights 1 / time) solved, the rows read again at the solution, until the solution stands
+// (Gauss-Newton on a piecewise-linear model, at most fit_iterations rounds). Exchanges cost
+// beta / eta, eta the start link's; no token bucket (small calls do not fill one). Where one
+// segment carries a step (the calibration's sizes at the default 1 MiB segments) the paths on a
+// power of two are the closed forms' (sim::ring_terms, recursive_doubling_terms), and so is the
+// fit; with finer segments it follows the simulator's pipelining, as automatic's predictions do.
+// The ring reduces (N-1)/N of the buffer in all; recursive doubling all of it at every step (fp32:
+// 2n values per exchange, its copy of the span aside; folded, once more on the extra ranks'
+// partners), so the two kinds tell gamma from beta. The gamma measured alone (sim::measure_rates
+// on 64 KiB) is the reduction on a core with nothing else to do; inside a call it can cost more: on
+// the Intel Xeon VM (2 processes over the mpi transport) recursive doubling's 64 KiB calls ran
+// 22..29% behind the ring's in the calibration and 16..32% in the bench, where the measured gamma
+// predicted them ahead (docs/benchmarks.md). At 2 ranks every byte of both is an exchange and eta
+// is not fitted, so the fit cannot tell a dearer reduction from dearer exchanges: it charges what
+// recursive doubling pays beyond the model per value reduced, which is where that cost grows with
+// the size.
+// No fit (nullopt) without both kinds at two sizes or more (with_gamma; without it, two cases of
+// any kind); where the least squares at the best point reached want alpha or beta at or below 0
+// (times that fell with size, a noisy machine), however close to 0 the damped steps came; where
+// the rounds did not settle (the best point's own solution more than fit_settle away from it: two
+// paths that keep trading places); and, with_gamma, where gamma comes out under
+// cache_gamma_margin times the one measured alone: that one is the best of 64 runs and the cases
+// are medians of calls, so noise alone puts a free fit at or a little above it (and a reduction
+// inside a call is not faster than alone).
 inline constexpr double cache_gamma_margin = 1.2;
-struct cache_gamma_fit {
+inline constexpr int fit_iterations = 16;
+inline constexpr double fit_settle = 0.05;
+struct cache_link_fit {
   double latency_s = 0;
   double beta_s = 0;  // seconds per one-way byte; exchanges at beta / eta
   double decode_add_s = 0;
 };
-inline std::optional<cache_gamma_fit> fit_cache_gamma(const std::vector<calibration_case>& cases, int size,
-                                                      std::size_t group_segment, const sim::codec_model& model,
-                                                      double eta, std::size_t in_cache) {
+
+// The simulator's time for a ring or recursive doubling case on alpha, beta (exchanges at
+// beta / eta) and fp32's decode-add gamma, theta = {alpha, beta, gamma}; no o, no token bucket.
+inline double simulated_case(const calibration_case& c, int size, std::size_t group_segment, const sim::codec_model& model,
+                             const sim::link_params& link, const std::array<double, 3>& theta) {
+  sim::link_params l = link;
+  l.latency_s = theta[0];
+  l.bandwidth_Bps = 1.0 / theta[1];
+  l.overhead_s = 0;
+  l.burst_bytes = 0, l.burst_rate_Bps = 0;
+  sim::codec_model m = model;
+  m.rates.decode_add_s = theta[2];
+  return c.kind == calibration_case::ring
+             ? simulated_all_reduce(l, m, topology::ring{}, size, c.bytes, group_segment)
+             : simulated_all_reduce(l, m, topology::recursive_doubling{}, size, c.bytes, group_segment);
+}
+
+inline std::optional<cache_link_fit> fit_cache_link(const std::vector<calibration_case>& cases, int size,
+                                                    std::size_t group_segment, const sim::codec_model& model,
+                                                    const sim::link_params& start, std::size_t in_cache,
+                                                    bool with_gamma) {
   using K = calibration_case;
-  if (size < 2 || (size & (size - 1)) != 0) return std::nullopt;
-  double m[3][4] = {};
-  int rows = 0, rings = 0, doublings = 0;
-  for (const K& c : cases) {
-    if ((c.kind != K::ring && c.kind != K::recursive_doubling) || c.bytes > in_cache || !(c.seconds > 0)) continue;
-    const std::size_t n = calibration_elems(size, c.bytes);
-    const sim::cost_terms t = c.kind == K::ring ? sim::ring_terms(size, n, model, group_segment, true, true)
-                                                : sim::recursive_doubling_terms(size, n, model, group_segment, true, true);
-    const double w = 1.0 / c.seconds;
-    const double x[3] = {t.messages * w, (t.oneway_bytes + t.exchange_bytes / eta) * w, t.decode_add_elems * w};
-    const double y = (c.seconds - t.encode_elems * model.rates.encode_s - t.decode_elems * model.rates.decode_s) * w;
-    for (int i = 0; i < 3; ++i) {
-      for (int j = 0; j < 3; ++j) m[i][j] += x[i] * x[j];
-      m[i][3] += x[i] * y;
+  std::vector<const K*> used;
+  int rings = 0, doublings = 0;
+  for (const K& c : cases)
+    if ((c.kind == K::ring || c.kind == K::recursive_doubling) && c.bytes <= in_cache && c.seconds > 0) {
+      used.push_back(&c);
+      (c.kind == K::ring ? rings : doublings)++;
     }
-    ++rows, (c.kind == K::ring ? rings : doublings)++;
-  }
-  if (rows < 4 || rings < 2 || doublings < 2) return std::nullopt;
-  // Columns scaled to a unit diagonal (alpha ~1e-6 s, beta ~1e-10 s/B, gamma ~1e-10 s), then
-  // Gauss-Jordan with partial pivoting.
-  double scale[3];
-  for (int i = 0; i < 3; ++i) {
-    if (!(m[i][i] > 0)) return std::nullopt;
-    scale[i] = 1.0 / std::sqrt(m[i][i]);
-  }
-  for (int i = 0; i < 3; ++i) {
-    for (int j = 0; j < 3; ++j) m[i][j] *= scale[i] * scale[j];
-    m[i][3] *= scale[i];
-  }
-  for (int c = 0; c < 3; ++c) {
-    int piv = c;
-    for (int r = c + 1; r < 3; ++r)
-      if (std::abs(m[r][c]) > std::abs(m[piv][c])) piv = r;
-    // Columns that (nearly) coincide: the sizes do not tell the three apart.
-    if (std::abs(m[piv][c]) < 1e-9) return std::nullopt;
-    for (int j = 0; j < 4; ++j) std::swap(m[c][j], m[piv][j]);
-    for (int r = 0; r < 3; ++r) {
-      if (r == c) continue;
-      const double f = m[r][c] / m[c][c];
-      for (int j = c; j < 4; ++j) m[r][j] -= f * m[c][j];
+  if (size < 2 || used.size() < (with_gamma ? 4u : 2u) || (with_gamma && (rings < 2 || doublings < 2))) return std::nullopt;
+  const std::size_t k = with_gamma ? 3 : 2;
+  // theta: alpha, beta, gamma; a start that is not positive would have no derivative to read.
+  std::array<double, 3> theta = {start.latency_s > 0 ? start.latency_s : 1e-6,
+                                 start.bandwidth_Bps > 0 && std::isfinite(start.bandwidth_Bps) ? start.beta() : 1e-10,
+                                 model.rates.decode_add_s > 0 ? model.rates.decode_add_s : 1e-11};
+  auto time_at = [&](const std::array<double, 3>& t, const K& c) { return simulated_case(c, size, group_segment, model, start, t); };
+  auto positive = [](const std::array<double, 3>& t) { return t[0] > 0 && t[1] > 0 && t[2] > 0; };
+  // The point with the least residual among those the rounds read their rows at (not the start:
+  // no fit), and the least squares' solution at it.
+  std::optional<std::array<double, 3>> best, best_next;
+  double best_residual = 0;
+  for (int round = 0; round < fit_iterations; ++round) {
+    std::vector<sim::detail::wls_row> rows;
+    double residual = 0;
+    for (const K* c : used) {
+      const double t0 = time_at(theta, *c), w = 1.0 / c->seconds;
+      residual += (t0 - c->seconds) * (t0 - c->seconds) * w * w;
+      // What no fitted column moves: codec work besides the reduction, and gamma's share where
+      // it is not fitted.
+      double fixed = t0;
+      sim::detail::wls_row r;
+      for (std::size_t i = 0; i < k; ++i) {
+        std::array<double, 3> moved = theta;
+        moved[i] *= 1.001;
+        const double d = (time_at(moved, *c) - t0) / (moved[i] - theta[i]);
+        fixed -= d * theta[i];
+        r.x[i] = d * w;
+      }
+      r.y = (c->seconds - fixed) * w;
+      rows.push_back(r);
     }
+    std::array<double, 3> next{};
+    const bool solved = sim::detail::least_squares(rows, k, next, 1e-9);
+    if (!with_gamma) next[2] = theta[2];
+    if (round > 0 && (!best || residual < best_residual)) {
+      best = theta, best_residual = residual;
+      best_next = solved ? std::optional(next) : std::nullopt;
+    }
+    if (!solved) break;
+    // Rows read on another path than the solution's can point past zero (3 ranks, from the
+    // measured gamma: beta < 0): a step part of the way there, halved until every parameter
+    // stays positive, and the rows read again.
+    for (int halving = 0; halving < 12 && !positive(next); ++halving)
+      for (std::size_t i = 0; i < 3; ++i) next[i] = 0.5 * (theta[i] + next[i]);
+    if (!positive(next)) break;
+    double moved = 0;
+    for (std::size_t i = 0; i < 3; ++i) moved = std::max(moved, std::abs(next[i] / theta[i] - 1));
+    theta = next;
+    // Settled: the rows read at this point give it back (round 0's point is the start, which the
+    // next round reads).
+    if (moved < 1e-6 && round > 0) break;
   }
-  cache_gamma_fit f;
-  f.latency_s = m[0][3] / m[0][0] * scale[0];
-  f.beta_s = m[1][3] / m[1][1] * scale[1];
-  f.decode_add_s = m[2][3] / m[2][2] * scale[2];
-  if (!(f.latency_s > 0) || !(f.beta_s > 0) || !std::isfinite(f.beta_s) || !(f.decode_add_s >= cache_gamma_margin * model.rates.decode_add_s))
-    return std::nullopt;
+  if (!best || !best_next || !positive(*best_next)) return std::nullopt;
+  for (std::size_t i = 0; i < 3; ++i)
+    if (std::abs((*best_next)[i] / (*best)[i] - 1) > fit_settle) return std::nullopt;
+  const cache_link_fit f{(*best)[0], (*best)[1], (*best)[2]};
+  if (with_gamma && !(f.decode_add_s >= cache_gamma_margin * model.rates.decode_add_s)) return std::nullopt;
   return f;
 }
 
-// automatic's cache tier (automatic::cache_bytes): alpha and beta fitted, as the link's, to the
+// Whether some recursive doubling case up to in_cache ran in less time than its reductions alone
+// take at the given gamma (alpha and beta next to nothing): its whole buffer reduces in cache,
+// faster than the gamma measured; no positive beta fits it then, and the ring's cases alone give
+// the tier's link.
+inline bool doubling_below_reductions(const std::vector<calibration_case>& cases, int size, std::size_t group_segment,
+                                      const sim::codec_model& model, const sim::link_params& link, std::size_t in_cache) {
+  for (const calibration_case& c : cases)
+    if (c.kind == calibration_case::recursive_doubling && c.bytes <= in_cache && c.seconds > 0 &&
+        c.seconds <= simulated_case(c, size, group_segment, model, link, {1e-15, 1e-18, model.rates.decode_add_s}))
+      return true;
+  return false;
+}
+
+// automatic's cache tier (automatic::cache_bytes): alpha and beta fitted (fit_cache_link) to the
 // ring's and recursive doubling's times at the sizes that stay in cache (up to 64 KiB), with the
 // link's eta and the codecs' gamma measured in cache (a.cache_rates; a.rates where it has none),
-// and on a power of two fp32's gamma with them where fit_cache_gamma takes it (written back to
-// a.cache_rates). No tier where they fit no positive alpha and beta. Without recursive doubling
-// (a group that is not a power of two) two ring times give the two parameters exactly, noise
-// included; the guards
-// below drop what noise makes nonsense of. The tier covers the 256 KiB calls too where
-// it predicted their measured times better than the link does: where a cache ends depends on the
-// machine (and on how many ranks share a core's), so it is measured, not assumed.
+// and fp32's gamma with them where the fit takes it (written back to a.cache_rates). Where the two
+// kinds fit no positive alpha and beta together, the ring's alone; no tier where those do not
+// either (two ring times give the two parameters exactly, noise included: the guards drop what
+// noise makes nonsense of). The tier covers the 256 KiB calls too where it predicted their
+// measured times better than the link does: where a cache ends depends on the machine (and on how
+// many ranks share a core's), so it is measured, not assumed.
 inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_segment,
                            const std::vector<calibration_case>& cases) {
   using K = calibration_case;
@@ -319,7 +396,7 @@ inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_s
   for (const K& c : cases)
     if (c.bytes <= in_cache && (c.kind == K::ring || c.kind == K::recursive_doubling)) largest = std::max(largest, c.bytes);
   a.cache_link = a.link;
-  if (const auto g = fit_cache_gamma(cases, size, group_segment, model, a.link.exchange_efficiency, in_cache)) {
+  if (const auto g = fit_cache_link(cases, size, group_segment, model, a.link, in_cache, true)) {
     // The tier's fp32 reduces at the gamma its calls measured (the other codecs keep the ones
     // measured alone: no case times them inside a call).
     a.cache_link.latency_s = g->latency_s;
@@ -328,13 +405,17 @@ inline void fit_cache_tier(topology::automatic& a, int size, std::size_t group_s
     a.cache_rates["fp32"] = fp32_rates;
     model = sim::model_of(codec::fp32{}, fp32_rates);
   } else {
-    const auto f = fit_ring_and_doubling(cases, size, group_segment, model, a.link.exchange_efficiency,
-                                         [&](std::size_t b) { return b <= in_cache; });
-    // Small calls are alpha's: a fit that had to pin it at 0 (times that fell with size, a noisy
-    // machine) would choose them as if messages were free.
-    if (!f || f->alpha_pinned || !(f->link.bandwidth_Bps > 0) || !std::isfinite(f->link.bandwidth_Bps)) return;
-    a.cache_link.latency_s = std::max(0.0, f->link.latency_s);
-    a.cache_link.bandwidth_Bps = f->link.bandwidth_Bps;
+    // Small calls are alpha's: a fit with no positive alpha (times that fell with size, a noisy
+    // machine) would choose them as if messages were free: no tier. Recursive doubling's whole
+    // buffer reduces in cache, which can put its times below the measured gamma's share alone (no
+    // positive beta with them): then, and only then, the ring's alone.
+    std::vector<K> fitted = cases;
+    if (doubling_below_reductions(cases, size, group_segment, model, a.link, in_cache))
+      std::erase_if(fitted, [](const K& c) { return c.kind != K::ring; });
+    const auto f = fit_cache_link(fitted, size, group_segment, model, a.link, in_cache, false);
+    if (!f) return;
+    a.cache_link.latency_s = f->latency_s;
+    a.cache_link.bandwidth_Bps = 1.0 / f->beta_s;
   }
   // Its alpha took in whatever a message costs the core: no o besides (one segment per step here).
   a.cache_link.overhead_s = 0;

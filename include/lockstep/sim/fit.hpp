@@ -50,30 +50,34 @@ struct fit_result {
 };
 
 namespace detail {
-// Weighted least squares over the columns picked by `use` (alpha, beta, beta_x); with `tie` the
-// exchange bytes join the beta column. Returns false where the normal equations are singular.
-inline bool solve_link(const std::vector<sample>& xs, bool pin_alpha, bool tie, std::array<double, 3>& p) {
-  std::vector<int> cols;
-  if (!pin_alpha) cols.push_back(0);
-  cols.push_back(1);
-  if (!tie) cols.push_back(2);
-  const std::size_t k = cols.size();
+// One equation of a weighted least-squares problem, x . p = y, both sides already multiplied by
+// the row's weight.
+struct wls_row {
+  std::array<double, 3> x{};
+  double y = 0;
+};
+
+// The p over the first k columns (k <= 3) that minimises the rows' summed squared residuals: the
+// normal equations with their columns scaled to a unit diagonal (alpha ~1e-6 s, beta ~1e-10 s/B
+// and gamma ~1e-10 s per value differ by orders), then Gauss-Jordan with partial pivoting. False
+// where they are singular: a column without weight, or columns that (nearly) coincide, below
+// min_pivot after scaling (the data do not tell them apart). The one solver of the link's fit
+// (fit_alpha_beta) and the calibration's (collective/calibrate.hpp).
+inline bool least_squares(const std::vector<wls_row>& rows, std::size_t k, std::array<double, 3>& p,
+                          double min_pivot = 1e-12) {
+  if (k == 0 || k > 3) return false;
   double m[3][4] = {};
-  for (const sample& s : xs) {
-    if (!(s.seconds > 0)) continue;
-    const double w = 1.0 / s.seconds;
-    const double all[3] = {s.alpha_count * w, (s.beta_count + (tie ? s.exchange_count : 0.0)) * w, s.exchange_count * w};
-    const double y = (s.seconds - s.fixed_s) * w;
+  for (const wls_row& r : rows)
     for (std::size_t i = 0; i < k; ++i) {
-      for (std::size_t j = 0; j < k; ++j) m[i][j] += all[cols[i]] * all[cols[j]];
-      m[i][k] += all[cols[i]] * y;
+      for (std::size_t j = 0; j < k; ++j) m[i][j] += r.x[i] * r.x[j];
+      m[i][k] += r.x[i] * r.y;
     }
-  }
-  // Scale columns so alpha (~1e-4 s) and beta (~1e-8 s/B) are comparable, then Gauss-Jordan.
   double scale[3] = {0, 0, 0};
-  for (std::size_t i = 0; i < k; ++i) scale[i] = m[i][i] > 0 ? 1.0 / std::sqrt(m[i][i]) : 0.0;
   for (std::size_t i = 0; i < k; ++i) {
-    if (scale[i] == 0) return false;
+    if (!(m[i][i] > 0)) return false;
+    scale[i] = 1.0 / std::sqrt(m[i][i]);
+  }
+  for (std::size_t i = 0; i < k; ++i) {
     for (std::size_t j = 0; j < k; ++j) m[i][j] *= scale[i] * scale[j];
     m[i][k] *= scale[i];
   }
@@ -81,7 +85,7 @@ inline bool solve_link(const std::vector<sample>& xs, bool pin_alpha, bool tie, 
     std::size_t piv = c;
     for (std::size_t r = c + 1; r < k; ++r)
       if (std::abs(m[r][c]) > std::abs(m[piv][c])) piv = r;
-    if (std::abs(m[piv][c]) < 1e-12) return false;
+    if (std::abs(m[piv][c]) < min_pivot) return false;
     for (std::size_t j = 0; j <= k; ++j) std::swap(m[c][j], m[piv][j]);
     for (std::size_t r = 0; r < k; ++r) {
       if (r == c) continue;
@@ -90,7 +94,32 @@ inline bool solve_link(const std::vector<sample>& xs, bool pin_alpha, bool tie, 
     }
   }
   p = {0, 0, 0};
-  for (std::size_t i = 0; i < k; ++i) p[static_cast<std::size_t>(cols[i])] = m[i][k] / m[i][i] * scale[i];
+  for (std::size_t i = 0; i < k; ++i) p[i] = m[i][k] / m[i][i] * scale[i];
+  return std::isfinite(p[0]) && std::isfinite(p[1]) && std::isfinite(p[2]);
+}
+
+// Weighted least squares (weights 1 / time) over the link's columns picked by pin_alpha and tie
+// (alpha, beta, beta_x); with `tie` the exchange bytes join the beta column. Returns false where
+// the normal equations are singular.
+inline bool solve_link(const std::vector<sample>& xs, bool pin_alpha, bool tie, std::array<double, 3>& p) {
+  std::vector<int> cols;
+  if (!pin_alpha) cols.push_back(0);
+  cols.push_back(1);
+  if (!tie) cols.push_back(2);
+  std::vector<wls_row> rows;
+  for (const sample& s : xs) {
+    if (!(s.seconds > 0)) continue;
+    const double w = 1.0 / s.seconds;
+    const double all[3] = {s.alpha_count * w, (s.beta_count + (tie ? s.exchange_count : 0.0)) * w, s.exchange_count * w};
+    wls_row r;
+    for (std::size_t i = 0; i < cols.size(); ++i) r.x[i] = all[cols[i]];
+    r.y = (s.seconds - s.fixed_s) * w;
+    rows.push_back(r);
+  }
+  std::array<double, 3> q{};
+  if (!least_squares(rows, cols.size(), q)) return false;
+  p = {0, 0, 0};
+  for (std::size_t i = 0; i < cols.size(); ++i) p[static_cast<std::size_t>(cols[i])] = q[i];
   if (tie) p[2] = p[1];
   return true;
 }
