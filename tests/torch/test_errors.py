@@ -110,6 +110,12 @@ def body(rank, world):
         t = torch.ones(64) * (rank + 1)
         assert collect(state, t, -1) is None and torch.equal(t, torch.full((64,), 1.5)), f"rank {rank}: timeout {big}: {t}"
 
+    # A positive timeout under half a millisecond is held at 1 ms (policies.hpp's timeout_ms), not
+    # rounded to 0, which failed every wait at once and closed the process group.
+    tiny = lt.State(codec="fp32", topology="ring", error_feedback=False, timeout=0.0004)
+    assert tiny._engine.timeout == 0.001, f"rank {rank}: timeout 0.0004 s held at {tiny._engine.timeout} s"
+    del tiny
+
     # Settings that differ between the ranks: both ranks fail, naming what differs.
     for settings, needle in [
         ((["int8", "dyntree8"][rank], "ring", 1000), "codecs differ"),

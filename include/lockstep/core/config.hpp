@@ -29,11 +29,12 @@
 #define LOCKSTEP_HOST_AVX2 0
 #endif
 
-// The same for AVX-512 (F, BW, VL and VBMI, whose byte permutes narrow and look up 64 bytes at
-// once): the 8-bit encoders and decoders and bf16 take 16-lane loops. LOCKSTEP_NO_AVX512 keeps a
+// The same for AVX-512 (F, BW, VL, DQ and VBMI, whose byte permutes narrow and look up 64 bytes
+// at once; dyntree8's tables use DQ's 256-bit broadcasts and inserts, and every CPU with VBMI has
+// DQ): the 8-bit encoders and decoders and bf16 take 16-lane loops. LOCKSTEP_NO_AVX512 keeps a
 // build on the AVX2 loops (to compare them, or where 512-bit code lowers the clock).
 #if LOCKSTEP_HOST_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VBMI__) && !defined(LOCKSTEP_NO_AVX512)
+    defined(__AVX512DQ__) && defined(__AVX512VBMI__) && !defined(LOCKSTEP_NO_AVX512)
 #define LOCKSTEP_HOST_AVX512 1
 #else
 #define LOCKSTEP_HOST_AVX512 0

@@ -70,7 +70,9 @@ inline ls::reduce_op parse_op(const std::string& op, int rank) {
 // deadline holds them too (core/deadline.hpp).
 inline std::chrono::milliseconds timeout_ms(double timeout_s) {
   const double most_ms = std::chrono::duration<double, std::milli>(ls::longest_wait).count();
-  return std::chrono::milliseconds(static_cast<long long>(std::min(timeout_s * 1000.0 + 0.5, most_ms)));
+  // At least 1 ms: a positive timeout under half a millisecond would round to 0, fail the first
+  // wait at once, and a Gloo timeout closes the user's whole process group (docs/torch.md, Waits).
+  return std::chrono::milliseconds(static_cast<long long>(std::min(std::max(timeout_s * 1000.0 + 0.5, 1.0), most_ms)));
 }
 
 // A group's options from lockstep_torch's settings: the timeout in seconds, the segment (0: the
