@@ -442,6 +442,14 @@ class schedule_run {
         add(to_, st.send_peer), add(from_, st.recv_peer);
         if (both_ways) add(from_, st.send_peer), add(to_, st.recv_peer);
       }
+      // Even so, two trees with different roots can share no edge, and then each side waits for
+      // a header the other never sends (a review found 4 ranks with roots 0 1 0 0 at the
+      // timeout, and 5 with 1 2 2 2 2 where rank 1 returned). So a broadcast's headers also go
+      // both ways to the ring neighbours, edges that no root changes: wherever the roots are
+      // not all equal, two neighbours differ and fail at once, and the group's abort stops the rest.
+      if (both_ways && size_ > 1)
+        for (int p : {(rank_ + 1) % size_, (rank_ + size_ - 1) % size_})
+          if (p != rank_) add(to_, p), add(from_, p);
       const std::uint32_t header_tag = (1u << 24) | tag();
       for (int p : to_) header_sends_.push_back(t_.isend(p, header_tag, &mine_, sizeof mine_));
       theirs_.resize(from_.size());
