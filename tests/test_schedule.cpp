@@ -24,6 +24,11 @@ TEST_CASE("warmup then polynomial decay", "[schedule]") {
   CHECK(linear(0) == 1.0);  // no warmup: the peak at once
   CHECK(linear(4) == Approx(0.6));
   CHECK(linear(10) == 0.0);
+  // Power 0 (a constant peak, then end): end from total on, not peak for good (found by review).
+  const optim::warmup_poly flat{.peak = 2.0, .warmup = 0, .total = 100, .end = 0.5, .power = 0.0};
+  CHECK(flat(99) == 2.0);
+  CHECK(flat(100) == 0.5);
+  CHECK(flat(1000) == 0.5);
 }
 
 TEST_CASE("warmup then cosine", "[schedule]") {

@@ -418,6 +418,21 @@ TEST_CASE("a bucket list that cuts a tensor, overlaps, leaves a gap or runs past
   refused({}, {"no buckets"});
 }
 
+TEST_CASE("an empty parameter set steps as a no-op, fused as sharded", "[step]") {
+  // optim::step's one bucket is {0, 0} there, which check_buckets used to refuse while
+  // optim::update and step_sharded took the empty set (found by review).
+  const optim::param_set empty(std::vector<optim::tensor_desc>{});
+  lockstep::run_inproc(3, [&](group<inproc>& g) {
+    std::vector<float> w, gr;
+    const optim::sgd o{};
+    optim::state st(empty, o);
+    lockstep::codec::fp32 c;
+    const optim::plan<optim::sgd> p{.opt = o, .params = empty, .st = st, .weights = w, .grads = gr};
+    optim::step(g, lockstep::topology::ring{}, c, p, 0.1f);
+    optim::step(g, lockstep::topology::ring{}, c, p, 0.1f);  // the group is still in step
+  });
+}
+
 TEST_CASE("bucket_ready and wait refuse misuse, and a dropped step finishes its buckets", "[step][bucket]") {
   const auto& ps = bucket_params();
   const auto b = buckets_at(ps, {0, 3, 4});

@@ -42,7 +42,9 @@ inline void check_buckets(const param_set& ps, std::span<const bucket> buckets, 
   if (buckets.empty()) throw bad("no buckets: at least one must cover the " + std::to_string(n) + " elements");
   for (std::size_t k = 0; k < buckets.size(); ++k) {
     const bucket& b = buckets[k];
-    if (b.first >= b.last) throw bad(detail::show(k, b) + " is empty");
+    // An empty parameter set steps as a no-op (optim::step's one bucket is then {0, 0}), as
+    // optim::update and step_sharded take it.
+    if (b.first >= b.last && n > 0) throw bad(detail::show(k, b) + " is empty");
     if (b.last > n)
       throw bad(detail::show(k, b) + " ends past the " + std::to_string(n) + " elements of the parameters");
   }

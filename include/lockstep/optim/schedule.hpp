@@ -44,7 +44,8 @@ struct warmup_poly {
   double operator()(double t) const noexcept {
     if (t < warmup) return detail::warmup_ramp(peak, warmup, t);
     const double span = total - warmup;
-    if (span <= 0) return end;
+    // From total on, end, whatever the power (power 0 would otherwise hold peak for good).
+    if (span <= 0 || t >= total) return end;
     const double frac = std::clamp((t - warmup) / span, 0.0, 1.0);
     return (peak - end) * std::pow(1.0 - frac, power) + end;
   }
@@ -60,7 +61,8 @@ struct warmup_cosine {
   double operator()(double t) const noexcept {
     if (t < warmup) return detail::warmup_ramp(peak, warmup, t);
     const double span = total - warmup;
-    if (span <= 0) return end;
+    // From total on, end, whatever the power (power 0 would otherwise hold peak for good).
+    if (span <= 0 || t >= total) return end;
     const double frac = std::clamp((t - warmup) / span, 0.0, 1.0);
     return end + (peak - end) * 0.5 * (1.0 + std::cos(std::numbers::pi * frac));
   }
