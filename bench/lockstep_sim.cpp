@@ -9,6 +9,7 @@
 // alpha-beta-gamma formula (sim/cost_model.hpp) beside it.
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -35,7 +36,13 @@ using namespace lockstep;
 // units (256kb, 2mb: powers of 1024 too) are accepted, so netlab's "burst" reads as tc took it.
 double parse_size(const std::string& s) {
   std::size_t used = 0;
-  const double v = std::stod(s, &used);
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("'" + s + "' is not a size or count");
+  }
+  if (!std::isfinite(v)) throw std::invalid_argument("'" + s + "' is not a finite size or count");
   std::string unit = s.substr(used);
   for (char& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));  // tc ignores case
   if (unit.empty() || unit == "b") return v;
@@ -121,6 +128,19 @@ void usage() {
       "  --json               one JSON object per line");
 }
 
+// A flag's value as a finite number ("lockstep-sim: stod" named neither the flag nor the value).
+double number_of(const std::string& flag, const std::string& v) {
+  std::size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != v.size() || !std::isfinite(x)) throw std::invalid_argument(flag + ": '" + v + "' is not a finite number");
+  return x;
+}
+
 options parse(int argc, char** argv) {
   options o;
   o.cl.nic = {25e-6, 1e9 / 8};
@@ -138,19 +158,19 @@ options parse(int argc, char** argv) {
     } else if (a == "--bytes") {
       o.bytes.clear();
       for (auto& s : lockstep::bench::split_list(next())) o.bytes.push_back(parse_size(s));
-    } else if (a == "--gbit") o.cl.nic.bandwidth_Bps = std::stod(next()) * 1e9 / 8;
-    else if (a == "--latency-us") o.cl.nic.latency_s = std::stod(next()) * 1e-6;
-    else if (a == "--overhead-us") o.cl.nic.overhead_s = std::stod(next()) * 1e-6;
+    } else if (a == "--gbit") o.cl.nic.bandwidth_Bps = number_of(a, next()) * 1e9 / 8;
+    else if (a == "--latency-us") o.cl.nic.latency_s = number_of(a, next()) * 1e-6;
+    else if (a == "--overhead-us") o.cl.nic.overhead_s = number_of(a, next()) * 1e-6;
     else if (a == "--exchange-efficiency") {
-      o.cl.nic.exchange_efficiency = std::stod(next());
+      o.cl.nic.exchange_efficiency = number_of(a, next());
       if (!(o.cl.nic.exchange_efficiency > 0 && o.cl.nic.exchange_efficiency <= 1))
         throw std::invalid_argument("--exchange-efficiency must be in (0, 1]");
     }
     else if (a == "--ranks-per-host") o.cl.ranks_per_host = std::stoi(next());
-    else if (a == "--switch-gbit") o.cl.switch_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
+    else if (a == "--switch-gbit") o.cl.switch_bandwidth_Bps = number_of(a, next()) * 1e9 / 8;
     else if (a == "--segment-bytes") o.cl.segment_bytes = static_cast<std::size_t>(parse_size(next()));
     else if (a == "--burst") o.cl.nic.burst_bytes = parse_size(next());
-    else if (a == "--burst-gbit") o.cl.nic.burst_rate_Bps = std::stod(next()) * 1e9 / 8;
+    else if (a == "--burst-gbit") o.cl.nic.burst_rate_Bps = number_of(a, next()) * 1e9 / 8;
     else if (a == "--no-handshake") o.cl.handshake = false;
     else if (a == "--send-ahead") o.cl.send_ahead = true;
     else if (a == "--ahead") {
@@ -183,19 +203,29 @@ options parse(int argc, char** argv) {
       (a == "--gamma-ns" ? o.gamma : o.cache_gamma)[v.substr(0, colon)] = {e * 1e-9, d * 1e-9, da * 1e-9};
     }
     else if (a == "--cache-bytes") o.cache_bytes = static_cast<std::size_t>(parse_size(next()));
-    else if (a == "--cache-latency-us") o.cache_latency_s = std::stod(next()) * 1e-6;
-    else if (a == "--cache-gbit") o.cache_bandwidth_Bps = std::stod(next()) * 1e9 / 8;
+    else if (a == "--cache-latency-us") o.cache_latency_s = number_of(a, next()) * 1e-6;
+    else if (a == "--cache-gbit") o.cache_bandwidth_Bps = number_of(a, next()) * 1e9 / 8;
     else if (a == "--bulk-bytes") o.bulk_bytes = static_cast<std::size_t>(parse_size(next()));
-    else if (a == "--bulk-exchange-efficiency") o.bulk_eta = std::stod(next()), o.bulk_set = true;
+    else if (a == "--bulk-exchange-efficiency") o.bulk_eta = number_of(a, next()), o.bulk_set = true;
     else if (a == "--params") o.params = parse_size(next());
-    else if (a == "--compute-ms") o.compute_s = std::stod(next()) * 1e-3;
-    else if (a == "--overlap") o.overlap = std::stod(next());
+    else if (a == "--compute-ms") o.compute_s = number_of(a, next()) * 1e-3;
+    else if (a == "--overlap") o.overlap = number_of(a, next());
     else if (a == "--json") o.json = true;
     else if (a == "--help" || a == "-h") {
       usage();
       std::exit(0);
     } else throw std::invalid_argument("unknown option " + a + " (--help lists them)");
   }
+  // Values no link or call has (--ranks 0 divided by zero, --bytes -1M looped for good).
+  for (int r : o.ranks)
+    if (r < 1) throw std::invalid_argument("--ranks: " + std::to_string(r) + " is not a group size (at least 1)");
+  for (double b : o.bytes)
+    if (!(b > 0)) throw std::invalid_argument("--bytes: " + std::to_string(b) + " is not a positive size");
+  if (o.cl.nic.latency_s < 0) throw std::invalid_argument("--latency-us must be at least 0");
+  if (o.cl.nic.overhead_s < 0) throw std::invalid_argument("--overhead-us must be at least 0");
+  if (o.cl.switch_bandwidth_Bps < 0) throw std::invalid_argument("--switch-gbit must be positive (or absent)");
+  if (o.compute_s < 0) throw std::invalid_argument("--compute-ms must be at least 0");
+  if (o.overlap < 0 || o.overlap > 1) throw std::invalid_argument("--overlap must be in [0, 1]");
   if (!o.cache_bytes && (o.cache_latency_s >= 0 || o.cache_bandwidth_Bps > 0 || !o.cache_gamma.empty()))
     throw std::invalid_argument("--cache-latency-us, --cache-gbit and --cache-gamma-ns describe the tier --cache-bytes sets; give it");
   if (o.bulk_bytes && !(o.bulk_eta > 0 && o.bulk_eta <= 1))

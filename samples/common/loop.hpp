@@ -135,7 +135,15 @@ void validate_parallel_flags(const Options& o) {
     bad("--batch " + std::to_string(o.batch) + " must be a multiple of --ranks " + std::to_string(o.ranks));
   if (o.bn_group < 1 || o.ranks % o.bn_group != 0)
     bad("--bn-group " + std::to_string(o.bn_group) + " must divide --ranks " + std::to_string(o.ranks));
-  if (o.topology != "ring" && o.topology.rfind("torus2d", 0) != 0) bad("--topology must be ring, torus2d or torus2d:RxC");
+  // torus2d:RxC whole: a shape sscanf cannot read (torus2d:foo, torus2d:2x2junk, torus2dxyz) once
+  // ran as the most square grid while the banner showed it.
+  bool topology_ok = o.topology == "ring" || o.topology == "torus2d";
+  if (!topology_ok && o.topology.rfind("torus2d:", 0) == 0) {
+    int r = 0, c = 0, used = 0;
+    topology_ok = std::sscanf(o.topology.c_str() + 8, "%dx%d%n", &r, &c, &used) == 2 && r > 0 && c > 0 &&
+                  static_cast<std::size_t>(used) == o.topology.size() - 8 && o.topology[8] != '+' && o.topology[8] != ' ';
+  }
+  if (!topology_ok) bad("--topology must be ring, torus2d or torus2d:RxC (R and C positive), not '" + o.topology + "'");
   if (o.codec != "fp32" && o.codec != "bf16" && o.codec != "int8" && o.codec != "dyntree8")
     bad("--codec must be fp32, bf16, int8 or dyntree8");
   if (o.optimizer != "sgd" && o.optimizer != "lars") bad("--optimizer must be sgd or lars");

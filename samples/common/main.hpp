@@ -34,7 +34,20 @@ int trainer_main(const char* program, int argc, char** argv, Options& o, OnWorld
       lockstep::transport::mpi_session session(&argc, &argv);
       lockstep::group<lockstep::transport::mpi> world(lockstep::transport::mpi(MPI_COMM_WORLD));
       o.ranks = world.size();
-      on_world(world);
+      try {
+        on_world(world);
+      } catch (const std::exception& e) {
+        // Tell the other ranks before this one leaves: a rank that failed before any collective (a
+        // bad data file or flag seen by this rank alone) left the others waiting in their first
+        // one, the flag check, with nothing printed, while this rank sat in MPI_Finalize. Now they
+        // stop with errc::aborted naming this rank and its message, and every rank returns.
+        world.abort(e.what());
+        if (dynamic_cast<const std::invalid_argument*>(&e))
+          std::fprintf(stderr, "%s: rank %d: %s (see --help)\n", program, world.rank(), e.what());
+        else
+          std::fprintf(stderr, "%s: rank %d: %s\n", program, world.rank(), e.what());
+        return dynamic_cast<const std::invalid_argument*>(&e) ? 2 : 1;
+      }
       return 0;
     }
 #else

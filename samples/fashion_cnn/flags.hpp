@@ -85,11 +85,11 @@ inline options parse_flags(int argc, char** argv) {
     else if (a == "--data") o.data = value();
     else if (a == "--out") o.out = value();
     else if (a == "--resume") o.resume = true;
-    else if (a == "--stop-after") o.stop_after = static_cast<int>(number());
-    else if (a == "--train-limit") o.train_limit = static_cast<int>(number());
-    else if (a == "--test-limit") o.test_limit = static_cast<int>(number());
+    else if (a == "--stop-after") o.stop_after = p.whole<int>();
+    else if (a == "--train-limit") o.train_limit = p.whole<int>();
+    else if (a == "--test-limit") o.test_limit = p.whole<int>();
     else if (a == "--no-augment") o.augment = false;
-    else if (a == "--print-every") o.print_every = std::max(1, static_cast<int>(number()));
+    else if (a == "--print-every") o.print_every = std::max(1, p.whole<int>());
     else if (a == "--channels") {
       const std::string v = value();
       if (std::sscanf(v.c_str(), "%d,%d,%d", &o.channels[0], &o.channels[1], &o.channels[2]) != 3 ||
@@ -104,13 +104,13 @@ inline options parse_flags(int argc, char** argv) {
     else if (a == "--parallel") o.parallel = value();
     else if (a == "--activation-codec") o.activation_codec = value();
     else if (a == "--label-smoothing") o.label_smoothing = static_cast<float>(number());
-    else if (a == "--bn-group") o.bn_group = static_cast<int>(number());
-    else if (a == "--ranks") o.ranks = static_cast<int>(number());
-    else if (a == "--threads") o.threads = static_cast<int>(number());
-    else if (a == "--batch") o.batch = static_cast<int>(number());
+    else if (a == "--bn-group") o.bn_group = p.whole<int>();
+    else if (a == "--ranks") o.ranks = p.whole<int>();
+    else if (a == "--threads") o.threads = p.whole<int>();
+    else if (a == "--batch") o.batch = p.whole<int>();
     else if (a == "--topology") o.topology = value();
     else if (a == "--codec") o.codec = value();
-    else if (a == "--codec-block") o.codec_block = static_cast<std::size_t>(number());
+    else if (a == "--codec-block") o.codec_block = p.whole<std::size_t>();
     else if (a == "--error-feedback") o.error_feedback = true;
     else if (a == "--optimizer") o.optimizer = value();
     else if (a == "--lr") o.lr = number();
@@ -120,8 +120,8 @@ inline options parse_flags(int argc, char** argv) {
     else if (a == "--momentum") o.momentum = static_cast<float>(number());
     else if (a == "--weight-decay") o.weight_decay = static_cast<float>(number());
     else if (a == "--lars-trust") o.lars_trust = static_cast<float>(number());
-    else if (a == "--epochs") o.epochs = static_cast<int>(number());
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
+    else if (a == "--epochs") o.epochs = p.whole<int>();
+    else if (a == "--seed") o.seed = p.whole<std::uint64_t>();
     else p.unknown();
   }
   return o;

@@ -77,13 +77,13 @@ inline options parse_flags(int argc, char** argv) {
   sample::flag_parser p(argc, argv, "lockstep-train-resnet50");
   options o;
   bool warmup_given = false;
-  auto integer = [&] { return static_cast<int>(p.number()); };
+  auto integer = [&] { return p.whole<int>(); };
   while (p.next()) {
     if (p.is("--help") || p.is("-h")) usage(p.program(), o), std::exit(0);
     else if (p.is("--data")) o.data = p.value();
     else if (p.is("--synthetic")) o.synthetic = true;
     else if (p.is("--classes")) o.classes = integer();
-    else if (p.is("--synthetic-images")) o.synthetic_images = static_cast<long long>(p.number());
+    else if (p.is("--synthetic-images")) o.synthetic_images = p.whole<long long>();
     else if (p.is("--size")) o.size = integer();
     else if (p.is("--cache")) o.cache = true;
     else if (p.is("--decode-threads")) o.decode_threads = std::max(1, integer());
@@ -91,12 +91,12 @@ inline options parse_flags(int argc, char** argv) {
     else if (p.is("--crop-scale")) o.crop_scale = p.number();
     else if (p.is("--crop-pct")) o.crop_pct = p.number();
     else if (p.is("--evaluate")) o.evaluate = true;
-    else if (p.is("--val-limit")) o.val_limit = static_cast<long long>(p.number());
+    else if (p.is("--val-limit")) o.val_limit = p.whole<long long>();
     else if (p.is("--val-every")) o.val_every = integer();
     else if (p.is("--out")) o.out = p.value();
     else if (p.is("--resume")) o.resume = true;
     else if (p.is("--stop-after")) o.stop_after = integer();
-    else if (p.is("--steps")) o.steps = static_cast<long long>(p.number());
+    else if (p.is("--steps")) o.steps = p.whole<long long>();
     else if (p.is("--print-every")) o.print_every = std::max(1, integer());
     else if (p.is("--precision")) o.precision = p.value();
     else if (p.is("--zero-init-residual")) o.zero_init_residual = true;
@@ -107,7 +107,7 @@ inline options parse_flags(int argc, char** argv) {
     else if (p.is("--batch")) o.batch = integer();
     else if (p.is("--topology")) o.topology = p.value();
     else if (p.is("--codec")) o.codec = p.value();
-    else if (p.is("--codec-block")) o.codec_block = static_cast<std::size_t>(p.number());
+    else if (p.is("--codec-block")) o.codec_block = p.whole<std::size_t>();
     else if (p.is("--error-feedback")) o.error_feedback = true;
     else if (p.is("--recipe")) {
       const std::string r = p.value();
@@ -123,7 +123,7 @@ inline options parse_flags(int argc, char** argv) {
     else if (p.is("--weight-decay")) o.weight_decay = static_cast<float>(p.number());
     else if (p.is("--lars-trust")) o.lars_trust = static_cast<float>(p.number());
     else if (p.is("--epochs")) o.epochs = integer();
-    else if (p.is("--seed")) o.seed = static_cast<std::uint64_t>(p.number());
+    else if (p.is("--seed")) o.seed = p.whole<std::uint64_t>();
     else p.unknown();
   }
   // The recipe's warmup depends on the final batch, which may come after --recipe; a
