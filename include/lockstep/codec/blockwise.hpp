@@ -362,9 +362,10 @@ class blockwise {
     }
 #endif
 #if LOCKSTEP_HOST_AVX2
-    // 8 per turn by a table gather, the product rounded where it stands (LOCKSTEP_ROUNDED): the
-    // portable loop's fp-contract attribute or pragma is not enough under clang's
-    // -ffp-contract=fast, which ignores the pragma and fuses the loop's a*b + c into one fma.
+    // 8 table values per turn by scalar loads (vgatherdps ran at about half the speed on machine
+    // D: docs/codecs.md), the product rounded where it stands (LOCKSTEP_ROUNDED): the portable
+    // loop's fp-contract attribute or pragma is not enough under clang's -ffp-contract=fast,
+    // which ignores the pragma and fuses the loop's a*b + c into one fma.
     {
       const float* t = table().data();
       const __m256 vs = _mm256_set1_ps(scale);

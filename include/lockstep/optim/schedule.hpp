@@ -61,7 +61,7 @@ struct warmup_cosine {
   double operator()(double t) const noexcept {
     if (t < warmup) return detail::warmup_ramp(peak, warmup, t);
     const double span = total - warmup;
-    // From total on, end, whatever the power (power 0 would otherwise hold peak for good).
+    // From total on, end (the same as the cosine gives there; said once, as warmup_poly says it).
     if (span <= 0 || t >= total) return end;
     const double frac = std::clamp((t - warmup) / span, 0.0, 1.0);
     return end + (peak - end) * 0.5 * (1.0 + std::cos(std::numbers::pi * frac));

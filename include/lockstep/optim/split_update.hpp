@@ -14,8 +14,9 @@
 // Tensor i of the param_set is rank k's slice of the same whole tensor on every rank: the ranks
 // must list the same tensors in the same order with the same exempt flags (slice sizes may differ,
 // as chunk_range cuts them, but none may be empty: param_set refuses an empty tensor, so a tensor
-// with fewer elements than ranks is updated whole on every rank, not split). A different tensor count is an all_gather size mismatch, which fails
-// every rank with errc::mismatch naming the peer; a different exempt flag is caught here.
+// with fewer elements than ranks is updated whole on every rank, not split). A different tensor
+// count is an all_gather size mismatch, which fails every rank with errc::mismatch naming the
+// peer; a different exempt flag is caught here.
 #pragma once
 
 #include <bit>
